@@ -1,0 +1,191 @@
+"""Mamba2 SSD reference against transformers' torch path and a token-by-token recurrence."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridkv.ops.mamba2 import ssd_chunk_scan, ssd_state_update
+
+hf_bamba = pytest.importorskip("transformers.models.bamba.modeling_bamba")
+
+# (seq_len, num_heads, head_dim, d_state, n_groups, chunk_size)
+SHAPES = [
+    (1, 4, 8, 16, 1, 16),
+    (37, 4, 8, 16, 1, 16),  # crosses two chunk boundaries, ragged tail
+    (50, 6, 4, 8, 3, 8),  # groups > 1, 2 heads per group
+    (33, 6, 5, 12, 2, 16),  # 3 heads per group, odd head_dim
+    (64, 8, 16, 32, 4, 32),  # length a multiple of the chunk
+]
+
+
+def _ids(shape: tuple[int, ...]) -> str:
+    return "T{}-H{}-P{}-N{}-G{}-L{}".format(*shape)
+
+
+def make_inputs(
+    seq_len: int, heads: int, head_dim: int, d_state: int, groups: int, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Random SSM inputs at the scale a real layer sees (dt raw around 0, A in [-8, -1])."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen)
+
+    return {
+        "x": randn(seq_len, heads, head_dim),
+        "dt": randn(seq_len, heads) * 0.5,
+        "A": -torch.exp(torch.rand(heads, generator=gen) * math.log(8)),
+        "B": randn(seq_len, groups, d_state),
+        "C": randn(seq_len, groups, d_state),
+        "D": randn(heads),
+        "dt_bias": randn(heads) * 0.5,
+        "state": randn(heads, head_dim, d_state),
+    }
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero_state", "initial_state"])
+def test_chunk_scan_matches_transformers(shape: tuple[int, ...], with_state: bool) -> None:
+    *dims, chunk = shape
+    t = make_inputs(*dims)
+    init = t["state"] if with_state else None
+    y, final = ssd_chunk_scan(
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        chunk_size=chunk,
+        D=t["D"],
+        dt_bias=t["dt_bias"],
+        initial_state=init,
+    )
+    want_y, want_final = hf_bamba.mamba2_chunk_scan(
+        t["x"][None],
+        t["dt"][None],
+        t["A"],
+        t["B"][None],
+        t["C"][None],
+        chunk_size=chunk,
+        D=t["D"],
+        dt_bias=t["dt_bias"],
+        dt_softplus=True,
+        return_final_states=True,
+        initial_states=None if init is None else init[None],
+    )
+    assert y.shape == t["x"].shape and final.shape == t["state"].shape
+    assert rel_err(y, want_y[0]) <= 1e-5
+    assert rel_err(final, want_final[0]) <= 1e-5
+
+
+def recurrence(t: dict[str, torch.Tensor], **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The literal recurrence: one state update per token."""
+    state = t["state"].clone()[None]
+    ys = [
+        ssd_state_update(
+            state,
+            t["x"][i : i + 1],
+            t["dt"][i : i + 1],
+            t["A"],
+            t["B"][i : i + 1],
+            t["C"][i : i + 1],
+            D=t["D"],
+            dt_bias=t["dt_bias"],
+            **kwargs,
+        )
+        for i in range(t["x"].shape[0])
+    ]
+    return torch.cat(ys), state[0]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_ids)
+@pytest.mark.parametrize("dt_limit", [(0.0, math.inf), (0.3, 1.2)], ids=["no_limit", "limit"])
+def test_chunk_scan_matches_token_recurrence(
+    shape: tuple[int, ...], dt_limit: tuple[float, float]
+) -> None:
+    *dims, chunk = shape
+    t = make_inputs(*dims, seed=1)
+    want_y, want_final = recurrence(t, dt_limit=dt_limit)
+    y, final = ssd_chunk_scan(
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        chunk_size=chunk,
+        D=t["D"],
+        dt_bias=t["dt_bias"],
+        dt_limit=dt_limit,
+        initial_state=t["state"],
+    )
+    assert rel_err(y, want_y) <= 1e-5
+    assert rel_err(final, want_final) <= 1e-5
+
+
+@pytest.mark.parametrize("split", [1, 7, 16, 33])
+def test_split_prefill_equals_unsplit(split: int) -> None:
+    t = make_inputs(50, 6, 4, 8, 3, seed=2)
+    kw = {"chunk_size": 16, "D": t["D"], "dt_bias": t["dt_bias"]}
+    parts = [slice(0, split), slice(split, None)]
+    args = [(t["x"][s], t["dt"][s], t["A"], t["B"][s], t["C"][s]) for s in parts]
+    y1, mid = ssd_chunk_scan(*args[0], initial_state=t["state"], **kw)
+    y2, final = ssd_chunk_scan(*args[1], initial_state=mid, **kw)
+    want_y, want_final = ssd_chunk_scan(
+        t["x"], t["dt"], t["A"], t["B"], t["C"], initial_state=t["state"], **kw
+    )
+    assert rel_err(torch.cat([y1, y2]), want_y) <= 1e-5
+    assert rel_err(final, want_final) <= 1e-5
+
+
+def test_state_update_matches_transformers_on_scattered_rows() -> None:
+    heads, head_dim, d_state, groups, num_seqs = 6, 4, 8, 3, 3
+    t = make_inputs(num_seqs, heads, head_dim, d_state, groups, seed=3)
+    pool = torch.randn(8, heads, head_dim, d_state)
+    rows = torch.tensor([5, 0, 3])
+    before = pool.clone()
+    y = ssd_state_update(
+        pool,
+        t["x"],
+        t["dt"],
+        t["A"],
+        t["B"],
+        t["C"],
+        D=t["D"],
+        dt_bias=t["dt_bias"],
+        state_indices=rows,
+    )
+    # transformers' decode expands the per-head parameters over head_dim
+    hf_state = before[rows].clone()
+    want = hf_bamba.mamba2_selective_state_update(
+        hf_state,
+        t["x"],
+        t["dt"][..., None].expand(-1, -1, head_dim),
+        t["A"][:, None, None].expand(-1, head_dim, d_state),
+        t["B"],
+        t["C"],
+        t["D"][:, None].expand(-1, head_dim),
+        dt_bias=t["dt_bias"][:, None].expand(-1, head_dim),
+        dt_softplus=True,
+    )
+    assert rel_err(y, want) <= 1e-5
+    assert rel_err(pool[rows], hf_state) <= 1e-5
+    untouched = [i for i in range(8) if i not in rows.tolist()]
+    assert torch.equal(pool[untouched], before[untouched])
+
+
+def test_low_precision_state_page_is_cast_back() -> None:
+    t = make_inputs(1, 4, 8, 16, 1, seed=4)
+    pool = t["state"][None].to(torch.bfloat16)
+    ref = pool.float()
+    y = ssd_state_update(pool, t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"])
+    want = ssd_state_update(ref, t["x"], t["dt"], t["A"], t["B"], t["C"], D=t["D"])
+    assert pool.dtype == torch.bfloat16
+    assert rel_err(pool.float(), ref) <= 1e-2
+    assert rel_err(y, want) <= 1e-2
