@@ -157,6 +157,7 @@ def ssd_state_update(
     """
     num_seqs, num_heads, _ = x.shape
     rows = state_indices if state_indices is not None else torch.arange(num_seqs)
+    rows = rows.to(state.device)
     dt = discretize_dt(dt, dt_bias, dt_softplus, dt_limit)  # [S', H]
     heads_per_group = num_heads // B.shape[1]
     Bh = B.float().repeat_interleave(heads_per_group, dim=1)  # [S', H, N]
@@ -165,7 +166,7 @@ def ssd_state_update(
     decay = torch.exp(dt * A.float())  # [S', H]
     h = state[rows].float() * decay[..., None, None]  # [S', H, P, N]
     h = h + (dt[..., None] * xf)[..., None] * Bh[:, :, None, :]
-    state.index_copy_(0, rows.to(state.device), h.to(state.dtype))
+    state.index_copy_(0, rows, h.to(state.dtype))
     y = torch.einsum("shpn,shn->shp", h, Ch)  # [S', H, P]
     if D is not None:
         y = y + D.float()[:, None] * xf
