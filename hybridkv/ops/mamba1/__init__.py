@@ -1,5 +1,8 @@
 """Mamba1 selective-scan ops: prefill scan from a carried state, and one decode step.
 
+Layers call :func:`selective_scan_paged` (flat varlen batch, state pages read and written
+in place); :func:`selective_scan` and :func:`selective_state_update` are its building blocks.
+
 Dispatch: the plain-torch reference in :mod:`.naive` is the only backend today. mamba_ssm's
 ``selective_scan_fn`` (which takes no initial state) and ``selective_state_update`` would
 plug in here behind the same signatures once installed and tested against the reference.
@@ -8,5 +11,11 @@ plug in here behind the same signatures once installed and tested against the re
 from __future__ import annotations
 
 from hybridkv.ops.mamba1.naive import selective_scan, selective_state_update
+from hybridkv.ops.mamba1.paged import SelectiveScanParams, selective_scan_paged
 
-__all__ = ["selective_scan", "selective_state_update"]
+__all__ = [
+    "SelectiveScanParams",
+    "selective_scan",
+    "selective_scan_paged",
+    "selective_state_update",
+]

@@ -1,5 +1,8 @@
 """Mamba2 SSD ops: chunked prefill scan and one-step decode, both resuming from a state.
 
+Layers call :func:`ssd_paged` (flat varlen batch, state pages read and written in place);
+:func:`ssd_chunk_scan` and :func:`ssd_state_update` are its building blocks.
+
 Dispatch: the plain-torch reference in :mod:`.naive` is the only backend today. A fast
 path (mamba_ssm's ``mamba_chunk_scan_combined`` / ``selective_state_update``) plugs in
 here when that package is installed, behind the same signatures, and is tested against
@@ -15,5 +18,14 @@ from hybridkv.ops.mamba2.naive import (
     ssd_chunk_scan,
     ssd_state_update,
 )
+from hybridkv.ops.mamba2.paged import SSDParams, ssd_paged
 
-__all__ = ["NO_DT_LIMIT", "DtLimit", "discretize_dt", "ssd_chunk_scan", "ssd_state_update"]
+__all__ = [
+    "NO_DT_LIMIT",
+    "DtLimit",
+    "SSDParams",
+    "discretize_dt",
+    "ssd_chunk_scan",
+    "ssd_paged",
+    "ssd_state_update",
+]

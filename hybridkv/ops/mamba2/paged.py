@@ -1,0 +1,77 @@
+"""Mamba2 SSD over a flat varlen batch, with each request's state kept in its page."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hybridkv.ops.mamba2.naive import NO_DT_LIMIT, DtLimit, ssd_chunk_scan, ssd_state_update
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SSDParams:
+    """The input-independent parameters of one Mamba2 layer's SSM."""
+
+    A: Tensor  # [H], negative: -exp(A_log)
+    D: Tensor | None  # [H] skip
+    dt_bias: Tensor | None  # [H]
+    chunk_size: int
+    dt_limit: DtLimit = NO_DT_LIMIT
+
+
+def ssd_paged(
+    x: Tensor,
+    dt: Tensor,
+    B: Tensor,
+    C: Tensor,
+    params: SSDParams,
+    ssm_pages: Tensor,
+    state_pages: Tensor,
+    has_initial_state: list[bool],
+    starts: list[int],
+) -> Tensor:
+    """Run every request of a step, reading and writing its SSM state page in place.
+
+    One-token requests (decodes) run together through the one-step update; longer chunks
+    run one by one through the chunked scan, from their page or from zeros when
+    ``has_initial_state`` is False (the page then holds garbage and is overwritten).
+
+    Args:
+        x: [T, H, P]; dt: [T, H] raw; B, C: [T, G, N]; rows request-major.
+        ssm_pages: [num_pages, H, P, N] the layer's state view.
+        state_pages: [R] live state page of each request; starts: R+1 row offsets.
+
+    Returns:
+        [T, H, P] in x's dtype.
+    """
+    kw = {"D": params.D, "dt_bias": params.dt_bias, "dt_limit": params.dt_limit}
+    out = torch.empty_like(x)
+    pages = state_pages.tolist()
+    single = [r for r in range(len(pages)) if starts[r + 1] - starts[r] == 1]
+    if single:
+        rows = torch.tensor([starts[r] for r in single], device=x.device)
+        idx = torch.tensor([pages[r] for r in single], device=x.device)
+        state = ssm_pages[idx].to(torch.float32)  # [B, H, P, N] (gathered copy)
+        fresh = torch.tensor([not has_initial_state[r] for r in single], device=x.device)
+        state[fresh] = 0
+        out[rows] = ssd_state_update(state, x[rows], dt[rows], params.A, B[rows], C[rows], **kw)
+        ssm_pages[idx] = state.to(ssm_pages.dtype)
+    for r, page in enumerate(pages):
+        lo, hi = starts[r], starts[r + 1]
+        if hi - lo < 2:
+            continue
+        initial = ssm_pages[page] if has_initial_state[r] else None
+        out[lo:hi], final = ssd_chunk_scan(
+            x[lo:hi],
+            dt[lo:hi],
+            params.A,
+            B[lo:hi],
+            C[lo:hi],
+            chunk_size=params.chunk_size,
+            initial_state=initial,
+            **kw,
+        )
+        ssm_pages[page] = final.to(ssm_pages.dtype)
+    return out
