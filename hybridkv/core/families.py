@@ -140,7 +140,10 @@ def _pattern(cfg: Config, family: str, n: int) -> list[Mixer]:
     if isinstance(cfg.get("full_attn_idxs"), list):  # LFM2 legacy
         return _from_indices(n, cfg["full_attn_idxs"], Mixer.ATTENTION, Mixer.RECURRENT)
     if cfg.get("attn_layer_period") is not None:  # Jamba
-        period, offset = int(cfg["attn_layer_period"]), int(get(cfg, "attn_layer_offset", default=0))
+        period, offset = (
+            int(cfg["attn_layer_period"]),
+            int(get(cfg, "attn_layer_offset", default=0)),
+        )
         return [Mixer.ATTENTION if i % period == offset else Mixer.RECURRENT for i in range(n)]
     if family == "gdn":
         interval = int(get(cfg, "full_attention_interval", default=4))
@@ -198,16 +201,24 @@ def _mamba2_geometry(cfg: Config, model_type: str) -> tuple[int, int, int, int, 
     if model_type == "nemotron_h":
         heads = int(get(cfg, "mamba_num_heads", default=128))
         head_dim = int(get(cfg, "mamba_head_dim", default=64))
-        return heads, head_dim, int(get(cfg, "ssm_state_size", default=128)), int(
-            get(cfg, "n_groups", default=8)
-        ), int(get(cfg, "conv_kernel", default=4))
+        return (
+            heads,
+            head_dim,
+            int(get(cfg, "ssm_state_size", default=128)),
+            int(get(cfg, "n_groups", default=8)),
+            int(get(cfg, "conv_kernel", default=4)),
+        )
     if model_type == "zamba2":
         expand = int(get(cfg, "mamba_expand", "expansion_factor", default=2))
         head_dim = int(get(cfg, "mamba_headdim", default=64))
         heads = int(get(cfg, "n_mamba_heads", default=expand * hidden // head_dim))
-        return heads, head_dim, int(get(cfg, "mamba_d_state", "state_size", default=64)), int(
-            get(cfg, "mamba_ngroups", default=1)
-        ), int(get(cfg, "mamba_d_conv", "conv_dimension", default=4))
+        return (
+            heads,
+            head_dim,
+            int(get(cfg, "mamba_d_state", "state_size", default=64)),
+            int(get(cfg, "mamba_ngroups", default=1)),
+            int(get(cfg, "mamba_d_conv", "conv_dimension", default=4)),
+        )
     if model_type == "mamba2":
         return (
             int(get(cfg, "num_heads", default=128)),
@@ -220,9 +231,13 @@ def _mamba2_geometry(cfg: Config, model_type: str) -> tuple[int, int, int, int, 
         ssm = cfg["ssm_cfg"]
         expand = int(ssm.get("expand", 2))
         head_dim = int(ssm.get("headdim", 64))
-        return expand * hidden // head_dim, head_dim, int(ssm.get("d_state", 128)), int(
-            ssm.get("ngroups", 1)
-        ), int(ssm.get("d_conv", 4))
+        return (
+            expand * hidden // head_dim,
+            head_dim,
+            int(ssm.get("d_state", 128)),
+            int(ssm.get("ngroups", 1)),
+            int(ssm.get("d_conv", 4)),
+        )
     # bamba, granitemoehybrid, falcon_h1: mamba_* keys, d_head "auto" = expand*hidden/heads
     heads = int(get(cfg, "mamba_n_heads", default=128))
     d_head = get(cfg, "mamba_d_head", default="auto")
@@ -230,9 +245,13 @@ def _mamba2_geometry(cfg: Config, model_type: str) -> tuple[int, int, int, int, 
         d_ssm = get(cfg, "mamba_d_ssm")
         inner = int(d_ssm) if d_ssm else int(get(cfg, "mamba_expand", default=2)) * hidden
         d_head = inner // heads
-    return heads, int(d_head), int(get(cfg, "mamba_d_state", default=256)), int(
-        get(cfg, "mamba_n_groups", default=1)
-    ), int(get(cfg, "mamba_d_conv", default=4))
+    return (
+        heads,
+        int(d_head),
+        int(get(cfg, "mamba_d_state", default=256)),
+        int(get(cfg, "mamba_n_groups", default=1)),
+        int(get(cfg, "mamba_d_conv", default=4)),
+    )
 
 
 def mamba2_state(cfg: Config, model_type: str, dtypes: Dtypes) -> RecurrentStateSpec:
@@ -297,7 +316,9 @@ def kda_state(cfg: Config, model_type: str, dtypes: Dtypes) -> RecurrentStateSpe
 def short_conv_state(cfg: Config, model_type: str, dtypes: Dtypes) -> RecurrentStateSpec:
     channels = int(get(cfg, "conv_dim", "hidden_size"))
     kernel = int(get(cfg, "conv_L_cache", default=3))
-    return RecurrentStateSpec(kind=StateKind.SHORT_CONV, tensors=(_conv(channels, kernel, dtypes.conv),))
+    return RecurrentStateSpec(
+        kind=StateKind.SHORT_CONV, tensors=(_conv(channels, kernel, dtypes.conv),)
+    )
 
 
 StateBuilder = Callable[[Config, str, Dtypes], RecurrentStateSpec]
@@ -317,11 +338,12 @@ def _model_dtype_ssm(cfg: Config, model_dtype: str) -> str | None:
 
 
 def _qwen_ssm(cfg: Config, model_dtype: str) -> str | None:
-    return get(cfg, "mamba_ssm_dtype")  # Qwen3.5 27B+ ship "float32"; 0.8B and Qwen3-Next do not
+    value = get(cfg, "mamba_ssm_dtype")  # Qwen3.5 27B+ ship "float32"; 0.8B and Qwen3-Next do not
+    return None if value is None else str(value)
 
 
 def _nemotron_ssm(cfg: Config, model_dtype: str) -> str | None:
-    return get(cfg, "mamba_ssm_cache_dtype", default="float32")  # vLLM: only fp32 is accurate
+    return str(get(cfg, "mamba_ssm_cache_dtype", default="float32"))  # vLLM: only fp32 is exact
 
 
 def _kda_ssm(cfg: Config, model_dtype: str) -> str | None:

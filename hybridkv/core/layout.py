@@ -81,7 +81,11 @@ def page_tensors(group: GroupSpec, block_tokens: int) -> tuple[tuple[TensorSlot,
         for name, shape, dtype in parts:
             offset = _round_up(offset, ALIGN_BYTES)
             slot = TensorSlot(
-                layer_index=layer.layer_index, name=name, offset_bytes=offset, shape=shape, dtype=dtype
+                layer_index=layer.layer_index,
+                name=name,
+                offset_bytes=offset,
+                shape=shape,
+                dtype=dtype,
             )
             slots.append(slot)
             offset += slot.num_bytes
@@ -156,14 +160,16 @@ def choose_chunk_bytes(
         padded = _padded_state_pages(chunk, used_page_bytes, recurrent)
         if padded is None:
             continue
-        waste = max((chunk - (chunk // used_page_bytes[g]) * used_page_bytes[g]) / chunk for g in recurrent)
+        waste = max(
+            (chunk - (chunk // used_page_bytes[g]) * used_page_bytes[g]) / chunk for g in recurrent
+        )
         if waste <= max_waste:
             return chunk, {**used_page_bytes, **padded}
         if best is None or waste < best[0]:
             best = (waste, chunk, {**used_page_bytes, **padded})
     if best is None:  # no aligned candidate at all: fall back to one state page per chunk
         chunk = _round_up(largest_state, unit)
-        return chunk, {**used_page_bytes, **{g: chunk for g in recurrent}}
+        return chunk, {**used_page_bytes, **dict.fromkeys(recurrent, chunk)}
     return best[1], best[2]
 
 
@@ -200,7 +206,9 @@ def build_layout(
     smallest_token_page = min((page_bytes[g] for g in used if g not in recurrent), default=chunk)
     tail = rest - rest % smallest_token_page if rest >= smallest_token_page else 0
     pages = tuple(
-        PageLayout(group_id=gid, slots=tensors[gid][0], used_bytes=used[gid], page_bytes=page_bytes[gid])
+        PageLayout(
+            group_id=gid, slots=tensors[gid][0], used_bytes=used[gid], page_bytes=page_bytes[gid]
+        )
         for gid in sorted(used)
     )
     return ArenaLayout(chunk_bytes=chunk, num_full_chunks=num_full, tail_bytes=tail, pages=pages)

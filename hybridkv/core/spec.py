@@ -119,7 +119,7 @@ class StateTensorSpec:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RecurrentStateSpec:
-    """One Mamba/GDN/conv layer's state. A snapshot is only valid at the exact token it was taken at."""
+    """One Mamba/GDN/conv layer's state; a snapshot is valid only at its exact token."""
 
     kind: StateKind
     tensors: tuple[StateTensorSpec, ...]

@@ -1,0 +1,39 @@
+"""The ``hybridkv`` command: parse arguments, call the package, print. Nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from hybridkv.plan_cli import add_plan_parser
+
+Command = Callable[[argparse.Namespace], int]
+
+
+class CliError(Exception):
+    """A user error: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hybridkv",
+        description="Serving engine and memory planner for hybrid (attention + recurrent) LLMs.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_plan_parser(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run: Command = args.run
+    try:
+        return run(args)
+    except (CliError, ValueError) as exc:
+        print(f"hybridkv {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"hybridkv {args.command}: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,74 @@
+"""Where recurrent snapshots are taken, and which ones are kept.
+
+All positions are multiples of ``block_tokens``: a snapshot is keyed by the hash of the
+block that ends there. Let P be the prompt length and B the block size::
+
+    prompt end       floor((P - 1) / B) * B     the largest hit a repeat of this prompt
+                                                can use (the last token is recomputed)
+    interval         every ``interval_tokens``  shared prefixes of other requests
+    sequence end     each boundary crossed in   the next chat turn resumes here; only
+                     decode                     the latest survives unless retained
+
+Retention (``retention_interval_tokens``): once a newer snapshot of the same request
+exists, an older one is kept only if it is the prompt end or sits on a multiple of the
+retention interval. Dense snapshots evict the attention prefixes they belong to
+(vLLM PR #45845: ~80% of blocks at block size 128), so sparse is the default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckpointPolicy:
+    interval_tokens: int | None = None
+    at_prompt_end: bool = True
+    at_sequence_end: bool = True
+    retention_interval_tokens: int | None = None
+
+    def validate(self, block_tokens: int) -> None:
+        """Raises ValueError for intervals that are not positive multiples of the block."""
+        for name in ("interval_tokens", "retention_interval_tokens"):
+            value = getattr(self, name)
+            if value is not None and (value <= 0 or value % block_tokens):
+                raise ValueError(
+                    f"checkpoint {name}={value} must be a positive multiple of the "
+                    f"block size {block_tokens}"
+                )
+
+    @staticmethod
+    def prompt_end(prompt_len: int, block_tokens: int) -> int:
+        return max(0, (prompt_len - 1) // block_tokens * block_tokens)
+
+    def is_checkpoint(self, position: int, prompt_len: int, block_tokens: int) -> bool:
+        """Whether the state after exactly ``position`` tokens should be snapshotted."""
+        if position <= 0 or position % block_tokens:
+            return False
+        if self.interval_tokens and position % self.interval_tokens == 0:
+            return True
+        if self.at_prompt_end and position == self.prompt_end(prompt_len, block_tokens):
+            return True
+        return self.at_sequence_end and position >= prompt_len
+
+    def next_prefill_checkpoint(
+        self, start: int, end: int, prompt_len: int, block_tokens: int
+    ) -> int | None:
+        """The first checkpoint strictly inside (start, end): a prefill chunk must stop there."""
+        candidates: list[int] = []
+        if self.interval_tokens:
+            nxt = (start // self.interval_tokens + 1) * self.interval_tokens
+            if nxt < end:
+                candidates.append(nxt)
+        if self.at_prompt_end:
+            pe = self.prompt_end(prompt_len, block_tokens)
+            if start < pe < end:
+                candidates.append(pe)
+        return min(candidates) if candidates else None
+
+    def keep(self, position: int, prompt_len: int, block_tokens: int) -> bool:
+        """Whether a superseded snapshot stays cached."""
+        if self.at_prompt_end and position == self.prompt_end(prompt_len, block_tokens):
+            return True
+        interval = self.retention_interval_tokens or self.interval_tokens
+        return interval is not None and position % interval == 0

@@ -1,0 +1,69 @@
+"""Full attention: one page per ``block_tokens`` tokens; a hit is the longest chain."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hybridkv.core.groups.base import GroupManager, ReqId
+from hybridkv.core.hashing import BlockHash
+from hybridkv.core.pool import NULL_PAGE, PageId
+
+
+class AttentionGroup(GroupManager):
+    """Block tables of every request for one full-attention group."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.tables: dict[ReqId, list[PageId]] = {}
+        self._num_cached_blocks: dict[ReqId, int] = {}
+
+    def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int) -> int:
+        num_blocks = 0
+        limit = min(len(hashes), max_tokens // self.block_tokens)
+        while num_blocks < limit and self.pool.lookup(hashes[num_blocks]) is not None:
+            num_blocks += 1  # hashes chain, so the first miss ends the prefix
+        return num_blocks * self.block_tokens
+
+    def take_hit(self, req_id: ReqId, hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        table = self.tables.setdefault(req_id, [])
+        assert not table, f"request {req_id} already holds pages"
+        for block_hash in hashes[: num_tokens // self.block_tokens]:
+            page = self.pool.lookup(block_hash)
+            assert page is not None, "hit pages must be checked before they are taken"
+            self.pool.touch(page, self.allocator.clock)
+            table.append(page)
+        self._num_cached_blocks[req_id] = len(table)
+
+    def num_blocks(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_tokens)
+
+    def allocate(self, req_id: ReqId, num_total_tokens: int) -> list[PageId] | None:
+        table = self.tables.setdefault(req_id, [])
+        self._num_cached_blocks.setdefault(req_id, 0)
+        pages = self._allocate_pages(max(0, self.num_blocks(num_total_tokens) - len(table)))
+        if pages is not None:
+            table.extend(pages)
+        return pages
+
+    def cache(self, req_id: ReqId, hashes: Sequence[BlockHash], num_computed: int) -> None:
+        table = self.tables[req_id]
+        num_full = min(num_computed // self.block_tokens, len(hashes), len(table))
+        for i in range(self._num_cached_blocks[req_id], num_full):
+            if table[i] != NULL_PAGE:
+                self.pool.cache(table[i], hashes[i], saved_tokens=self.block_tokens)
+        self._num_cached_blocks[req_id] = max(self._num_cached_blocks[req_id], num_full)
+
+    def free(self, req_id: ReqId) -> None:
+        # Tail first: the LRU queue then evicts a prefix's deepest blocks before its root.
+        for page in reversed(self.tables.pop(req_id, [])):
+            if page != NULL_PAGE:
+                self.pool.release(page, self.allocator.clock)
+        self._num_cached_blocks.pop(req_id, None)
+
+    def check_integrity(self) -> None:
+        held: dict[PageId, int] = {}
+        for table in self.tables.values():
+            for page in table:
+                if page != NULL_PAGE:
+                    held[page] = held.get(page, 0) + 1
+        assert held == self.pool.referenced_pages(), "block tables disagree with ref counts"

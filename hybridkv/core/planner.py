@@ -1,0 +1,322 @@
+"""Capacity from a model's specs and a memory budget, measured against the physical limit.
+
+For a budget ``M``, ``S`` live sequences, ``s`` state bytes per sequence and ``a`` KV
+bytes per token, no allocator can hold more than ``floor((M - S*s) / a)`` tokens of KV.
+The plan reports what *this* arena holds against that limit, and what a single unified
+page size (vLLM's sizing of hybrid caches) would hold in the same memory.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridkv.core.layout import ArenaLayout, build_layout
+from hybridkv.core.spec import ModelSpec, RecurrentStateSpec
+
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_MODEL_LEN = 4096  # when the config names none
+
+
+class PlanError(ValueError):
+    """The request cannot be planned; the message says what to change."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GroupPlan:
+    kind: str
+    num_layers: int
+    page_bytes: int  # padded stride in the arena
+    used_bytes: int  # bytes the layers need
+    block_tokens: int | None  # None for a state group: one page per sequence
+    pages_per_chunk: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class UnifiedBaseline:
+    """One page size for every layer, as vLLM sizes hybrid caches today."""
+
+    block_tokens: int
+    group_size: int
+    num_attention_groups: int
+    num_state_groups: int
+    num_blocks: int
+    kv_capacity_tokens: int | None
+    max_concurrency: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    model: str
+    memory_bytes: int
+    block_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    kv_bytes_per_token: int
+    state_bytes_per_seq: int
+    layout: ArenaLayout
+    groups: tuple[GroupPlan, ...]
+    state_chunks: int
+    kv_capacity_tokens: int | None
+    physical_limit_tokens: int | None
+    max_concurrency: int
+    padding_waste_bytes: int
+    unified: UnifiedBaseline
+    warnings: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "memory_bytes": self.memory_bytes,
+            "block_tokens": self.block_tokens,
+            "kv_bytes_per_token": self.kv_bytes_per_token,
+            "state_bytes_per_seq": self.state_bytes_per_seq,
+            "max_num_seqs": self.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "physical_limit_tokens": self.physical_limit_tokens,
+            "max_concurrency": self.max_concurrency,
+            "padding_waste_bytes": self.padding_waste_bytes,
+            "padding_waste_percent": round(100 * self.padding_waste_bytes / self.memory_bytes, 4),
+            "chunk_bytes": self.layout.chunk_bytes,
+            "num_chunks": self.layout.num_chunks,
+            "state_chunks": self.state_chunks,
+            "groups": [
+                {
+                    "kind": g.kind,
+                    "num_layers": g.num_layers,
+                    "page_bytes": g.page_bytes,
+                    "used_bytes": g.used_bytes,
+                    "block_tokens": g.block_tokens,
+                    "pages_per_chunk": g.pages_per_chunk,
+                }
+                for g in self.groups
+            ],
+            "unified_page_baseline": {
+                "block_tokens": self.unified.block_tokens,
+                "group_size": self.unified.group_size,
+                "num_blocks": self.unified.num_blocks,
+                "kv_capacity_tokens": self.unified.kv_capacity_tokens,
+                "max_concurrency": self.unified.max_concurrency,
+            },
+            "warnings": self.warnings,
+        }
+
+
+# ----------------------------------------------------------------------------- arena math
+
+
+def _state_chunks(layout: ArenaLayout, spec: ModelSpec, num_seqs: int) -> int:
+    """Full chunks that ``num_seqs`` live states take (state pages never use the tail)."""
+    return sum(
+        -(-num_seqs // layout.pages_per_chunk(g.group_id)) for g in spec.groups if g.is_recurrent
+    )
+
+
+def _max_kv_blocks(layout: ArenaLayout, spec: ModelSpec, free_full_chunks: int) -> int:
+    """Blocks of every attention group that fit in ``free_full_chunks`` plus the tail."""
+    token_groups = [g.group_id for g in spec.groups if not g.is_recurrent]
+    if not token_groups or free_full_chunks < 0:
+        return 0
+    if len(token_groups) == 1:
+        g = token_groups[0]
+        return free_full_chunks * layout.pages_per_chunk(g) + layout.pages_in_chunk(
+            g, layout.num_full_chunks
+        ) * bool(layout.tail_bytes)
+
+    def chunks_for(n: int) -> int:
+        return sum(-(-n // layout.pages_per_chunk(g)) for g in token_groups)
+
+    low, high = 0, free_full_chunks * max(layout.pages_per_chunk(g) for g in token_groups)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if chunks_for(mid) <= free_full_chunks else (low, mid - 1)
+    return low
+
+
+def _max_concurrency(layout: ArenaLayout, spec: ModelSpec, block_tokens: int, seq_len: int) -> int:
+    blocks_per_seq = -(-seq_len // block_tokens) if spec.num_attention_layers else 0
+
+    def fits(num_seqs: int) -> bool:
+        free = layout.num_full_chunks - _state_chunks(layout, spec, num_seqs)
+        return free >= 0 and _max_kv_blocks(layout, spec, free) >= num_seqs * blocks_per_seq
+
+    low, high = 0, max(1, layout.total_bytes // max(1, spec.state_bytes_per_seq or 1))
+    high = min(high, 1 << 24)
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+# ----------------------------------------------------------------------------- baseline
+
+
+def unified_baseline(
+    spec: ModelSpec, memory_bytes: int, block_tokens: int, num_seqs: int, seq_len: int
+) -> UnifiedBaseline:
+    """vLLM's hybrid sizing: attention blocks inflated until one layer's page holds a state.
+
+    Layers are split into groups of ``group_size`` (the smallest layer count per kind,
+    or the largest when it is under 1.5x the smallest); a block is one page per layer of
+    a group; every state group costs one block per sequence (prefix caching off).
+    """
+    attn = [layer.spec for layer in spec.layers if not isinstance(layer.spec, RecurrentStateSpec)]
+    state = [layer.spec for layer in spec.layers if isinstance(layer.spec, RecurrentStateSpec)]
+    per_token = attn[0].bytes_per_token if attn else 0
+    state_page = max((s.bytes_per_seq for s in state), default=0)
+    unified_block = block_tokens
+    if attn and state:
+        unified_block = max(block_tokens, 16 * -(-state_page // (16 * per_token)))
+    page = max(unified_block * per_token, state_page)
+    counts = [c for c in (len(attn), len(state)) if c]
+    group_size = min(counts)
+    if max(counts) < 1.5 * group_size:
+        group_size = max(counts)
+    attn_groups = -(-len(attn) // group_size) if attn else 0
+    state_groups = -(-len(state) // group_size) if state else 0
+    num_blocks = max(0, memory_bytes // (group_size * page) - 1)  # block 0 is the null block
+    kv_tokens = None
+    if attn_groups:
+        left = max(0, num_blocks - num_seqs * state_groups)
+        kv_tokens = left // attn_groups * unified_block
+    per_seq = attn_groups * -(-seq_len // unified_block) + state_groups
+    return UnifiedBaseline(
+        block_tokens=unified_block,
+        group_size=group_size,
+        num_attention_groups=attn_groups,
+        num_state_groups=state_groups,
+        num_blocks=num_blocks,
+        kv_capacity_tokens=kv_tokens,
+        max_concurrency=num_blocks // per_seq if per_seq else 0,
+    )
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+def plan(
+    spec: ModelSpec,
+    memory_bytes: int,
+    *,
+    max_num_seqs: int | None = None,
+    max_model_len: int | None = None,
+    block_tokens: int = 16,
+) -> Plan:
+    """Lay out the arena and measure it.
+
+    Raises:
+        PlanError: non-positive sizes, or memory too small for one sequence.
+    """
+    _validate(memory_bytes, max_num_seqs, max_model_len, block_tokens)
+    seq_len = max_model_len or spec.max_model_len or DEFAULT_MAX_MODEL_LEN
+    try:
+        layout = build_layout(spec.groups, block_tokens, memory_bytes)
+    except ValueError as exc:
+        raise PlanError(f"budget too small for one sequence: {exc}") from None
+    a, s = spec.kv_bytes_per_token, spec.state_bytes_per_seq
+    warnings: list[str] = []
+    one_seq = s + block_tokens * a
+    fit = _max_seqs_with_one_block(layout, spec)
+    if fit == 0:
+        raise PlanError(
+            f"budget too small for one sequence: {memory_bytes} B cannot hold a state "
+            f"({s} B) and one block of KV ({block_tokens * a} B) in chunks of "
+            f"{layout.chunk_bytes} B"
+        )
+    num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    if num_seqs > fit:
+        warnings.append(
+            f"max_num_seqs {num_seqs} clamped to {fit}: more live states than that leave no "
+            f"KV room ({one_seq} B per sequence)"
+        )
+        num_seqs = fit
+    concurrency = _max_concurrency(layout, spec, block_tokens, seq_len)
+    if concurrency == 0:
+        raise PlanError(
+            f"budget too small for one sequence of max_model_len={seq_len} tokens: "
+            f"lower --max-model-len or raise --memory-gib"
+        )
+    return _measure(
+        spec, layout, memory_bytes, block_tokens, num_seqs, seq_len, concurrency, warnings
+    )
+
+
+def _max_seqs_with_one_block(layout: ArenaLayout, spec: ModelSpec) -> int:
+    low, high = 0, 1 << 20
+    while low < high:
+        mid = (low + high + 1) // 2
+        free = layout.num_full_chunks - _state_chunks(layout, spec, mid)
+        ok = free >= 0 and (
+            not spec.num_attention_layers or _max_kv_blocks(layout, spec, free) >= mid
+        )
+        low, high = (mid, high) if ok else (low, mid - 1)
+    return low
+
+
+def _measure(
+    spec: ModelSpec,
+    layout: ArenaLayout,
+    memory_bytes: int,
+    block_tokens: int,
+    num_seqs: int,
+    seq_len: int,
+    concurrency: int,
+    warnings: list[str],
+) -> Plan:
+    a, s = spec.kv_bytes_per_token, spec.state_bytes_per_seq
+    state_chunks = _state_chunks(layout, spec, num_seqs)
+    kv_blocks = _max_kv_blocks(layout, spec, layout.num_full_chunks - state_chunks)
+    groups = tuple(
+        GroupPlan(
+            kind=g.spec.label,
+            num_layers=g.num_layers,
+            page_bytes=layout.pages[g.group_id].page_bytes,
+            used_bytes=layout.pages[g.group_id].used_bytes,
+            block_tokens=g.block_tokens(block_tokens),
+            pages_per_chunk=layout.pages_per_chunk(g.group_id),
+        )
+        for g in spec.groups
+    )
+    padding = (
+        memory_bytes
+        - layout.total_bytes
+        + sum(
+            layout.padding_bytes_per_chunk(g.group_id)
+            * -(-num_seqs // layout.pages_per_chunk(g.group_id))
+            for g in spec.groups
+            if g.is_recurrent
+        )
+    )
+    return Plan(
+        model=spec.name,
+        memory_bytes=memory_bytes,
+        block_tokens=block_tokens,
+        max_num_seqs=num_seqs,
+        max_model_len=seq_len,
+        kv_bytes_per_token=a,
+        state_bytes_per_seq=s,
+        layout=layout,
+        groups=groups,
+        state_chunks=state_chunks,
+        kv_capacity_tokens=kv_blocks * block_tokens if a else None,
+        physical_limit_tokens=(memory_bytes - num_seqs * s) // a if a else None,
+        max_concurrency=concurrency,
+        padding_waste_bytes=padding,
+        unified=unified_baseline(spec, memory_bytes, block_tokens, num_seqs, seq_len),
+        warnings=warnings,
+    )
+
+
+def _validate(
+    memory_bytes: int, max_num_seqs: int | None, max_model_len: int | None, block_tokens: int
+) -> None:
+    if memory_bytes <= 0:
+        raise PlanError(f"memory must be positive, got {memory_bytes} bytes")
+    if max_num_seqs is not None and max_num_seqs < 1:
+        raise PlanError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    if max_model_len is not None and max_model_len < 1:
+        raise PlanError(f"max_model_len must be >= 1, got {max_model_len}")
+    if block_tokens < 1 or not math.log2(block_tokens).is_integer():
+        raise PlanError(f"block size must be a power of two, got {block_tokens}")
