@@ -1,0 +1,104 @@
+"""Self-attention over paged KV: project, (norm), RoPE, write K/V to pages, attend, (gate).
+
+One module covers the attention layers of the hybrids: Qwen3-Next/3.5 (q/k zero-centred
+norm, partial RoPE, sigmoid output gate folded into ``q_proj``), and, with the switches off,
+Jamba (no RoPE), Falcon-H1, Zamba2 and LFM2 (q/k norm, out projection named differently: the
+model remaps names on load).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from hybridkv.layers.rope import RotaryEmbedding, apply_rope
+from hybridkv.ops.paged_attention import paged_attention, store_kv
+
+if TYPE_CHECKING:  # layers sit below models: annotations only, no runtime import upward
+    from hybridkv.models.batch import ForwardBatch
+    from hybridkv.models.cache import CacheViews
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionConfig:
+    """Shapes and switches of one attention layer."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int = 0  # 0: no RoPE
+    rope_theta: float = 10000.0
+    qk_norm: Callable[[int, float], nn.Module] | None = None  # per-head norm class
+    norm_eps: float = 1e-6
+    output_gate: bool = False  # Qwen3-Next: q_proj emits [query | gate] per head
+    bias: bool = False
+    scale: float | None = None  # default head_dim ** -0.5
+
+
+class PagedAttention(nn.Module):
+    """Causal GQA attention of one decoder layer, its KV in ``views.attn(layer_index)``."""
+
+    def __init__(self, cfg: AttentionConfig, layer_index: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_index = layer_index
+        q_out = cfg.num_heads * cfg.head_dim * (2 if cfg.output_gate else 1)
+        kv_out = cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.bias)
+        if cfg.qk_norm is not None:
+            self.q_norm = cfg.qk_norm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = cfg.qk_norm(cfg.head_dim, cfg.norm_eps)
+        self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta) if cfg.rotary_dim else None
+        self.scale = cfg.scale if cfg.scale is not None else cfg.head_dim**-0.5
+
+    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], gate [T, Hq*D] | None), rotated."""
+        cfg, num_tokens = self.cfg, x.shape[0]
+        q = self.q_proj(x).view(num_tokens, cfg.num_heads, -1)  # [T, Hq, D or 2D]
+        gate = None
+        if cfg.output_gate:
+            q, gate = q.split(cfg.head_dim, dim=-1)  # [query | gate] per head
+            gate = gate.reshape(num_tokens, -1)  # [T, Hq * D]
+        k = self.k_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary is not None:
+            cos, sin = self.rotary(positions, x.dtype)  # [T, rotary_dim]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v, gate
+
+    def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
+        q, k, v, gate = self.project(x, batch.positions)
+        out = self.attend(q, k, v, batch, views)  # [T, Hq, D]
+        out = out.reshape(x.shape[0], -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, batch: ForwardBatch, views: CacheViews
+    ) -> Tensor:
+        """Write this step's K/V to the pages, then attend over the request's prefix."""
+        view = views.attn(self.layer_index)
+        table = batch.block_tables[view.group_id]
+        store_kv(k, v, view.key, view.value, table, batch.token_request, batch.positions)
+        return paged_attention(
+            q,
+            view.key,
+            view.value,
+            table,
+            batch.starts,
+            batch.seq_lens,
+            batch.positions,
+            self.scale,
+            view.window_tokens,
+        )

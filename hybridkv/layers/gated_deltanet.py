@@ -1,0 +1,126 @@
+"""Gated DeltaNet mixer (Qwen3-Next, Qwen3.5): conv over [q|k|v], delta rule, gated norm.
+
+Per layer and request the state page holds ``conv`` [2*Hk*Dk + Hv*Dv, K-1] and ``ssm``
+[Hv, Dk, Dv]. The two families differ only in how the input projections are packed, so a
+subclass supplies :meth:`GatedDeltaNet.project`::
+
+    Qwen3-Next  in_proj_qkvz: per k-head group [q | k | v (r heads) | z (r heads)], r = Hv/Hk
+                in_proj_ba:   per k-head group [b (r) | a (r)]
+    Qwen3.5     in_proj_qkv [q | k | v], in_proj_z, in_proj_b, in_proj_a (flat)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridkv.layers.norm import GatedRMSNorm
+from hybridkv.ops.causal_conv1d import causal_conv1d_paged
+from hybridkv.ops.gated_delta_rule import gated_delta_rule_paged
+
+if TYPE_CHECKING:
+    from hybridkv.models.batch import ForwardBatch
+    from hybridkv.models.cache import CacheViews
+
+
+@dataclass(frozen=True, kw_only=True)
+class GDNConfig:
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    k_head_dim: int
+    v_head_dim: int
+    conv_kernel: int = 4
+    norm_eps: float = 1e-6
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_head_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.key_dim + self.value_dim
+
+
+class GatedDeltaNet(nn.Module):
+    """The shared body; subclasses define the input projections."""
+
+    def __init__(self, cfg: GDNConfig, layer_index: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.layer_index = layer_index
+        self.conv1d = nn.Conv1d(
+            cfg.conv_dim, cfg.conv_dim, cfg.conv_kernel, groups=cfg.conv_dim, bias=False
+        )
+        self.dt_bias = nn.Parameter(torch.ones(cfg.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(cfg.num_v_heads))
+        self.norm = GatedRMSNorm(cfg.v_head_dim, cfg.norm_eps)
+        self.out_proj = nn.Linear(cfg.value_dim, cfg.hidden_size, bias=False)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """x [T, H] -> (qkv [T, conv_dim] as [q|k|v], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
+        cfg, num_tokens = self.cfg, x.shape[0]
+        state = views.state(self.layer_index)
+        pages = batch.state_pages[state.group_id]
+        flags, starts = batch.initial_state_flags, batch.starts
+        qkv, z, b, a = self.project(x)
+        weight = self.conv1d.weight[:, 0, :]  # [C, K]
+        qkv = causal_conv1d_paged(qkv, state["conv"], pages, flags, starts, weight, None, "silu")
+        q, k, v = qkv.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+        q = q.reshape(num_tokens, cfg.num_k_heads, cfg.k_head_dim)
+        k = k.reshape(num_tokens, cfg.num_k_heads, cfg.k_head_dim)
+        v = v.reshape(num_tokens, cfg.num_v_heads, cfg.v_head_dim)
+        beta = b.sigmoid()  # [T, Hv]
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log decay
+        o = gated_delta_rule_paged(q, k, v, g, beta, state["ssm"], pages, flags, starts)
+        o = self.norm(o.reshape(-1, cfg.v_head_dim), z.reshape(-1, cfg.v_head_dim))
+        return self.out_proj(o.reshape(num_tokens, cfg.value_dim))
+
+
+class Qwen3NextGatedDeltaNet(GatedDeltaNet):
+    """Fused, head-grouped projections ``in_proj_qkvz`` and ``in_proj_ba``."""
+
+    def __init__(self, cfg: GDNConfig, layer_index: int) -> None:
+        super().__init__(cfg, layer_index)
+        self.in_proj_qkvz = nn.Linear(
+            cfg.hidden_size, 2 * cfg.key_dim + 2 * cfg.value_dim, bias=False
+        )
+        self.in_proj_ba = nn.Linear(cfg.hidden_size, 2 * cfg.num_v_heads, bias=False)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        cfg, num_tokens = self.cfg, x.shape[0]
+        r = cfg.num_v_heads // cfg.num_k_heads
+        qkvz = self.in_proj_qkvz(x).view(num_tokens, cfg.num_k_heads, -1)  # [T, Hk, per group]
+        q, k, v, z = qkvz.split(
+            [cfg.k_head_dim, cfg.k_head_dim, r * cfg.v_head_dim, r * cfg.v_head_dim], -1
+        )
+        b, a = self.in_proj_ba(x).view(num_tokens, cfg.num_k_heads, 2 * r).split([r, r], -1)
+        qkv = torch.cat([t.reshape(num_tokens, -1) for t in (q, k, v)], dim=-1)  # [T, conv_dim]
+        z = z.reshape(num_tokens, cfg.num_v_heads, cfg.v_head_dim)
+        return qkv, z, b.reshape(num_tokens, -1), a.reshape(num_tokens, -1)
+
+
+class Qwen35GatedDeltaNet(GatedDeltaNet):
+    """Separate flat projections ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``."""
+
+    def __init__(self, cfg: GDNConfig, layer_index: int) -> None:
+        super().__init__(cfg, layer_index)
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, cfg.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, cfg.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, cfg.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, cfg.num_v_heads, bias=False)
+
+    def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        z = self.in_proj_z(x).view(x.shape[0], self.cfg.num_v_heads, self.cfg.v_head_dim)
+        return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)

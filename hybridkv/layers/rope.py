@@ -1,0 +1,58 @@
+"""Rotary position embedding (rotate-half, NeoX style), with partial rotary dims.
+
+Qwen3-Next/3.5 rotate only the first ``head_dim * partial_rotary_factor`` dims of a head.
+Qwen3.5's multimodal RoPE (mrope) equals plain RoPE for text, where the temporal, height and
+width positions are all the token position, so text serving needs no mrope sections.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def rope_settings(cfg: Mapping[str, Any], head_dim: int) -> tuple[int, float]:
+    """(rotary_dim, theta) from ``rope_parameters`` or the legacy top-level keys.
+
+    Raises:
+        NotImplementedError: a scaled RoPE type (yarn, linear, ...), not supported yet.
+    """
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    return int(head_dim * factor), theta
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables computed from positions on the fly (fp32, like transformers)."""
+
+    def __init__(self, rotary_dim: int, theta: float) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+        self.register_buffer("inv_freq", 1.0 / (theta**exponent), persistent=False)
+
+    def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [T] -> (cos, sin) each [T, rotary_dim] in ``dtype``."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, rotary_dim / 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, rotary_dim]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first ``cos.shape[-1]`` dims of every head. x: [T, H, D]; cos/sin: [T, R]."""
+    rot = cos.shape[-1]
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    rotated = x_rot * cos[:, None, :] + rotate_half(x_rot) * sin[:, None, :]
+    return torch.cat([rotated, x_pass], dim=-1)

@@ -1,0 +1,107 @@
+"""The decoder-LM skeleton every architecture shares, and weight loading by name.
+
+A model is ``embed -> layers -> norm -> lm_head`` over a flat token batch; an architecture
+supplies its decoder layers and, when its checkpoint names differ from its module names,
+:meth:`CausalLM.remap_weight_name`. Logits are computed only for ``batch.logits_indices``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hybridkv.core.spec import ModelSpec
+from hybridkv.models.batch import ForwardBatch
+from hybridkv.models.cache import CacheViews
+
+
+class DecoderStack(nn.Module):
+    """``model.*`` in the checkpoints: embeddings, layers, final norm."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layers: list[nn.Module], norm: nn.Module):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab_size, hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+
+
+class CausalLM(nn.Module):
+    """Base of every architecture: forward over a ForwardBatch, load weights by name.
+
+    Subclasses build ``self.model`` (a :class:`DecoderStack`) in ``__init__`` and call
+    :meth:`finish_init`. Each decoder layer is called as ``layer(hidden [T, H], batch, views)``.
+    """
+
+    model: DecoderStack
+
+    def __init__(self, cfg: Mapping[str, Any], spec: ModelSpec) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.spec = spec
+        self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+
+    def finish_init(self, vocab_size: int, hidden_size: int) -> None:
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def embed(self, batch: ForwardBatch) -> Tensor:
+        """[T, H] input embeddings (Zamba2/Falcon-H1 override to scale or keep them)."""
+        return self.model.embed_tokens(batch.input_ids)
+
+    def compute_logits(self, hidden: Tensor) -> Tensor:
+        """[R, H] final hidden states -> [R, vocab] fp32 logits."""
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def forward(self, batch: ForwardBatch, views: CacheViews) -> Tensor:
+        """One step: logits [R, vocab] (fp32) of the rows ``batch.logits_indices``."""
+        hidden = self.embed(batch)  # [T, H]
+        for layer in self.model.layers:
+            hidden = layer(hidden, batch, views)
+        hidden = self.model.norm(hidden[batch.logits_indices])  # [R, H]
+        return self.compute_logits(hidden)
+
+    # ------------------------------------------------------------------ weights
+
+    def remap_weight_name(self, name: str) -> str | None:
+        """Checkpoint name -> parameter name, or None to skip the tensor."""
+        return name
+
+    def split_weight(self, name: str, tensor: Tensor) -> Iterable[tuple[str, Tensor]]:
+        """Hook to turn one checkpoint tensor into several (e.g. fused experts)."""
+        yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
+        """Copy checkpoint tensors into the parameters (cast to their dtype).
+
+        Raises:
+            KeyError: a checkpoint tensor has no parameter, or a parameter got no tensor.
+            ValueError: a shape mismatch.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for raw_name, raw_tensor in weights:
+            name = self.remap_weight_name(raw_name)
+            if name is None or (self.tie_word_embeddings and name == "lm_head.weight"):
+                continue
+            for part_name, tensor in self.split_weight(name, raw_tensor):
+                _copy_param(params, part_name, tensor)
+                loaded.add(part_name)
+        missing = set(params) - loaded
+        if self.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise KeyError(f"checkpoint has no tensor for {sorted(missing)[:8]} ...")
+
+
+def _copy_param(params: dict[str, nn.Parameter], name: str, tensor: Tensor) -> None:
+    if name not in params:
+        raise KeyError(f"checkpoint tensor {name!r} matches no parameter")
+    param = params[name]
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
+    param.data.copy_(tensor.to(param.dtype))

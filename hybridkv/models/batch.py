@@ -1,0 +1,102 @@
+"""ForwardBatch: one engine step's tokens, flat and request-major.
+
+A step mixes prefill chunks and decodes of many requests in one flat token axis, the way
+vLLM's v1 runner does: request ``r`` owns rows ``query_start_loc[r]:query_start_loc[r+1]``.
+The batch carries page ids, not tensors: every layer reads and writes its cache through
+:class:`hybridkv.models.cache.CacheViews`, indexed by these ids.
+
+Per request (``num_computed`` = tokens already in the cache, ``n`` = tokens in this step)::
+
+    positions  | 0 ............ num_computed-1 | num_computed ... num_computed+n-1 |
+               |<-- in the pages (KV / state)->|<---- this step's rows in T ------>|
+    attention reads positions [0, num_computed + n), writes [num_computed, num_computed + n)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+from torch import Tensor
+
+
+@dataclass(eq=False)
+class ForwardBatch:
+    """The model input of one step.
+
+    Attributes:
+        input_ids: [T] int64 token ids, request-major.
+        positions: [T] int64 absolute position of every token.
+        query_start_loc: [R+1] int64 row offsets of each request in T.
+        num_computed_tokens: [R] int64 tokens already in the cache before this step.
+        block_tables: attention group id -> [R, max_blocks] int64 page ids; entries past the
+            sequence or outside a sliding window may be -1 and are never read.
+        state_pages: recurrent group id -> [R] int64 live state page of each request.
+        has_initial_state: [R] bool; False means the state page holds garbage and the
+            recurrent layers start from zeros (the page is overwritten).
+        logits_indices: [R] int64 row of T whose logits are returned for each request.
+    """
+
+    input_ids: Tensor
+    positions: Tensor
+    query_start_loc: Tensor
+    num_computed_tokens: Tensor
+    block_tables: dict[int, Tensor] = field(default_factory=dict)
+    state_pages: dict[int, Tensor] = field(default_factory=dict)
+    has_initial_state: Tensor | None = None
+    logits_indices: Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.has_initial_state is None:
+            self.has_initial_state = self.num_computed_tokens > 0
+        if self.logits_indices is None:
+            self.logits_indices = self.query_start_loc[1:] - 1
+
+    # Host-side copies of the metadata: the naive ops loop over requests in Python, and one
+    # .tolist() per step is cheaper than one per layer.
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.query_start_loc.numel()) - 1
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @cached_property
+    def starts(self) -> list[int]:
+        """Host copy of query_start_loc (R+1 entries)."""
+        return [int(x) for x in self.query_start_loc.tolist()]
+
+    @cached_property
+    def query_lens(self) -> list[int]:
+        """Tokens of each request in this step."""
+        return [b - a for a, b in zip(self.starts[:-1], self.starts[1:], strict=True)]
+
+    @cached_property
+    def seq_lens(self) -> list[int]:
+        """Tokens of each request in the cache after this step (num_computed + n)."""
+        computed = self.num_computed_tokens.tolist()
+        return [int(c) + n for c, n in zip(computed, self.query_lens, strict=True)]
+
+    @cached_property
+    def initial_state_flags(self) -> list[bool]:
+        assert self.has_initial_state is not None
+        return [bool(x) for x in self.has_initial_state.tolist()]
+
+    @cached_property
+    def token_request(self) -> Tensor:
+        """[T] int64: the request of each row."""
+        lens = torch.tensor(self.query_lens, dtype=torch.int64, device=self.input_ids.device)
+        return torch.repeat_interleave(torch.arange(self.num_requests, device=lens.device), lens)
+
+    @cached_property
+    def single_token_requests(self) -> list[int]:
+        """Requests with exactly one token this step (decodes): run together, one-step kernels."""
+        return [r for r, n in enumerate(self.query_lens) if n == 1]
+
+    @cached_property
+    def multi_token_requests(self) -> list[int]:
+        """Requests with a prefill chunk of two or more tokens: run one by one, chunked kernels."""
+        return [r for r, n in enumerate(self.query_lens) if n > 1]

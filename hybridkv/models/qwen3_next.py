@@ -1,0 +1,160 @@
+"""Qwen3-Next (``qwen3_next``): Gated DeltaNet + gated attention, MoE with a shared expert.
+
+Also the shared pieces of Qwen3.5 (:mod:`hybridkv.models.qwen3_5`): the decoder layer, the
+attention and GDN configs, and the checkpoint name rules (VLM prefix, vision tower, MTP head).
+Which layer is attention and which is GDN comes from the ModelSpec (``model_config`` is the
+one reader of ``layer_types`` / ``full_attention_interval``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from hybridkv.core.spec import ModelSpec
+from hybridkv.layers.attention import AttentionConfig, PagedAttention
+from hybridkv.layers.gated_deltanet import GatedDeltaNet, GDNConfig, Qwen3NextGatedDeltaNet
+from hybridkv.layers.mlp import GatedMLP, SparseMoE
+from hybridkv.layers.norm import ZeroCenteredRMSNorm
+from hybridkv.layers.rope import rope_settings
+from hybridkv.models.base import CausalLM, DecoderStack
+from hybridkv.models.batch import ForwardBatch
+from hybridkv.models.cache import CacheViews
+
+_SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+
+
+def attention_config(cfg: Mapping[str, Any]) -> AttentionConfig:
+    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    rotary_dim, theta = rope_settings(cfg, head_dim)
+    return AttentionConfig(
+        hidden_size=hidden,
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        rope_theta=theta,
+        qk_norm=ZeroCenteredRMSNorm,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        output_gate=bool(cfg.get("attn_output_gate", True)),
+        bias=bool(cfg.get("attention_bias", False)),
+    )
+
+
+def gdn_config(cfg: Mapping[str, Any]) -> GDNConfig:
+    return GDNConfig(
+        hidden_size=int(cfg["hidden_size"]),
+        num_k_heads=int(cfg.get("linear_num_key_heads", 16)),
+        num_v_heads=int(cfg.get("linear_num_value_heads", 32)),
+        k_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        v_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+        conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+    )
+
+
+def moe_block(cfg: Mapping[str, Any], norm_topk_prob: bool) -> SparseMoE:
+    return SparseMoE(
+        int(cfg["hidden_size"]),
+        int(cfg["moe_intermediate_size"]),
+        int(cfg["num_experts"]),
+        int(cfg["num_experts_per_tok"]),
+        norm_topk_prob=norm_topk_prob,
+        shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0),
+        act=str(cfg.get("hidden_act", "silu")),
+    )
+
+
+class QwenHybridDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``.
+
+    The mixer sits under the checkpoint's name: ``linear_attn`` (GDN) or ``self_attn``.
+    """
+
+    def __init__(self, mixer: nn.Module, mlp: nn.Module, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.mixer_name = "linear_attn" if isinstance(mixer, GatedDeltaNet) else "self_attn"
+        self.add_module(self.mixer_name, mixer)
+        self.mlp = mlp
+        self.input_layernorm = ZeroCenteredRMSNorm(hidden, eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden, eps)
+
+    def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
+        mixer = getattr(self, self.mixer_name)
+        x = x + mixer(self.input_layernorm(x), batch, views)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class QwenHybridForCausalLM(CausalLM):
+    """Qwen3-Next and Qwen3.5 share everything but the GDN projections and the MLP rule."""
+
+    gdn_class: type[GatedDeltaNet] = Qwen3NextGatedDeltaNet
+
+    def __init__(self, cfg: Mapping[str, Any], spec: ModelSpec) -> None:
+        super().__init__(cfg, spec)
+        hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
+        recurrent = {c.layer_index for c in spec.layers if c.name == "state"}
+        layers = []
+        for i in range(spec.num_layers):
+            mixer: nn.Module
+            if i in recurrent:
+                mixer = self.gdn_class(gdn_config(cfg), i)
+            else:
+                mixer = PagedAttention(attention_config(cfg), i)
+            layers.append(QwenHybridDecoderLayer(mixer, self.make_mlp(i), hidden, eps))
+        vocab = int(cfg["vocab_size"])
+        self.model = DecoderStack(vocab, hidden, layers, ZeroCenteredRMSNorm(hidden, eps))
+        self.finish_init(vocab, hidden)
+
+    def make_mlp(self, layer_index: int) -> nn.Module:
+        """Qwen3-Next: MoE every ``decoder_sparse_step`` layers unless in ``mlp_only_layers``."""
+        cfg = self.cfg
+        num_experts = int(cfg.get("num_experts") or 0)
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        if (
+            num_experts > 0
+            and layer_index not in (cfg.get("mlp_only_layers") or [])
+            and (layer_index + 1) % step == 0
+        ):
+            return moe_block(cfg, bool(cfg.get("norm_topk_prob", True)))
+        return self.dense_mlp()
+
+    def dense_mlp(self) -> GatedMLP:
+        cfg = self.cfg
+        return GatedMLP(
+            int(cfg["hidden_size"]),
+            int(cfg["intermediate_size"]),
+            str(cfg.get("hidden_act", "silu")),
+        )
+
+    def remap_weight_name(self, name: str) -> str | None:
+        """VLM checkpoints keep the LM under ``model.language_model.``; skip vision and MTP."""
+        if name.startswith(_SKIPPED_PREFIXES):
+            return None
+        if name.startswith("model.language_model."):
+            return "model." + name.removeprefix("model.language_model.")
+        return name
+
+    def split_weight(self, name: str, tensor: Tensor) -> Iterable[tuple[str, Tensor]]:
+        """Fused experts ([E, 2I, H] gate_up, [E, H, I] down) -> per-expert weights."""
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix("gate_up_proj")
+            for e, fused in enumerate(tensor):
+                gate, up = fused.chunk(2, dim=0)
+                yield f"{prefix}{e}.gate_proj.weight", gate
+                yield f"{prefix}{e}.up_proj.weight", up
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name.removesuffix("down_proj")
+            for e, down in enumerate(tensor):
+                yield f"{prefix}{e}.down_proj.weight", down
+        else:
+            yield name, tensor
+
+
+class Qwen3NextForCausalLM(QwenHybridForCausalLM):
+    """``qwen3_next``: fused ``in_proj_qkvz`` / ``in_proj_ba`` GDN projections."""
+
+    gdn_class = Qwen3NextGatedDeltaNet
