@@ -1,0 +1,28 @@
+"""The repository's own checks run with the suite: ruff everywhere, mypy strict on the core."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is a test extra")
+def test_ruff_is_clean() -> None:
+    result = subprocess.run(
+        ["ruff", "check", "hybridkv", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_core_is_mypy_strict_clean() -> None:
+    pytest.importorskip("mypy")
+    result = subprocess.run(
+        [sys.executable, "-m", "mypy", "hybridkv/core"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
