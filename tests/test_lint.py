@@ -15,7 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is a test extra")
 def test_ruff_is_clean() -> None:
     result = subprocess.run(
-        ["ruff", "check", "hybridkv", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True
+        ["ruff", "check", "hybridkv", "tests", "benchmarks"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
