@@ -14,6 +14,8 @@ pool once evicted only its own side and reported "cannot alloc" with memory to s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from hybridkv.core.arena import ChunkArena
 from hybridkv.core.eviction import Candidate, EvictionPolicy, pick_victim
 from hybridkv.core.layout import ArenaLayout
@@ -26,10 +28,14 @@ class PageAllocator:
     """The arena's chunks and one :class:`PagePool` per group, behind one clock."""
 
     def __init__(
-        self, layout: ArenaLayout, policy: EvictionPolicy = EvictionPolicy.LRU, alpha: float = 1.0
+        self,
+        layout: ArenaLayout,
+        policy: EvictionPolicy = EvictionPolicy.LRU,
+        alpha: float = 1.0,
+        partition: Mapping[int, range] | None = None,
     ) -> None:
         self.layout = layout
-        self.arena = ChunkArena(layout)
+        self.arena = ChunkArena(layout, partition)
         self.pools = [PagePool(p.group_id, self.arena) for p in layout.pages]
         self.policy = policy
         self.alpha = alpha
@@ -85,7 +91,7 @@ class PageAllocator:
         return found
 
     def _fits(self, group_id: int, chunk: int) -> bool:
-        return self.layout.pages_in_chunk(group_id, chunk) > 0
+        return self.arena.usable(group_id, chunk)
 
     def _evict_for(self, group_id: int) -> PageId | None:
         victim = pick_victim(self._candidates(group_id), self.policy, self.alpha)

@@ -8,15 +8,47 @@ KV as the workload shifts (no static split between a state pool and a KV pool).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Mapping
 
 from hybridkv.core.layout import ArenaLayout
 
 
-class ChunkArena:
-    """Chunk ownership. Free chunks are handed out lowest index first (deterministic)."""
+def static_split(
+    layout: ArenaLayout, recurrent_ids: set[int], state_fraction: float
+) -> dict[int, range]:
+    """A fixed partition: recurrent groups get the first ``state_fraction`` of the bytes.
 
-    def __init__(self, layout: ArenaLayout) -> None:
+    This is SGLang's default (a state pool of ``r / (1 + r)`` of the memory, the KV pool
+    the rest, no flow between them); hybridkv itself never uses it. Token groups get the
+    remaining chunks and the tail. Each side keeps at least one chunk.
+
+    Raises:
+        ValueError: the fraction is not in (0, 1) or the arena has fewer than two chunks.
+    """
+    if not 0 < state_fraction < 1:
+        raise ValueError(f"state fraction must be in (0, 1), got {state_fraction}")
+    if layout.num_full_chunks < 2:
+        raise ValueError("a static split needs at least two chunks")
+    wanted = int(state_fraction * layout.total_bytes) // layout.chunk_bytes
+    num_state = min(max(1, wanted), layout.num_full_chunks - 1)
+    return {
+        g.group_id: range(num_state)
+        if g.group_id in recurrent_ids
+        else range(num_state, layout.num_chunks)
+        for g in layout.pages
+    }
+
+
+class ChunkArena:
+    """Chunk ownership. Free chunks are handed out lowest index first (deterministic).
+
+    ``partition`` (default None: any group may own any chunk) pins each group to a
+    fixed range of chunks, to emulate designs with a static split between pools.
+    """
+
+    def __init__(self, layout: ArenaLayout, partition: Mapping[int, range] | None = None) -> None:
         self.layout = layout
+        self.partition = partition
         self._owner: list[int | None] = [None] * layout.num_chunks
         self._free: list[int] = list(range(layout.num_chunks))  # a heap
         self.num_transfers = 0  # chunks that changed owner (handed out after a release)
@@ -45,7 +77,7 @@ class ChunkArena:
         chunk: int | None = None
         while self._free:
             candidate = heapq.heappop(self._free)
-            if self.layout.pages_in_chunk(group_id, candidate) > 0:
+            if self.usable(group_id, candidate):
                 chunk = candidate
                 break
             skipped.append(candidate)
@@ -62,8 +94,14 @@ class ChunkArena:
         self._owner[chunk] = None
         heapq.heappush(self._free, chunk)
 
+    def usable(self, group_id: int, chunk: int) -> bool:
+        """Whether the group's pages fit the chunk and the partition (if any) allows it."""
+        if self.partition is not None and chunk not in self.partition[group_id]:
+            return False
+        return self.layout.pages_in_chunk(group_id, chunk) > 0
+
     def has_free_for(self, group_id: int) -> bool:
-        return any(self.layout.pages_in_chunk(group_id, c) > 0 for c in self._free)
+        return any(self.usable(group_id, c) for c in self._free)
 
     def check_integrity(self) -> None:
         free = set(self._free)

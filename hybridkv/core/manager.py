@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from hybridkv.core.allocator import PageAllocator
+from hybridkv.core.arena import static_split
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.coordinator import longest_hybrid_hit
 from hybridkv.core.eviction import EvictionPolicy
@@ -54,6 +55,9 @@ class CacheConfig:
     eviction: EvictionPolicy = EvictionPolicy.LRU
     eviction_alpha: float = 1.0
     cache_salt: str = ""  # anything else that changes what a cached page means
+    # None: memory flows between groups. A fraction: recurrent groups are pinned to that
+    # share of the chunks and attention to the rest (emulates SGLang's static split).
+    state_memory_fraction: float | None = None
 
 
 class Hit(NamedTuple):
@@ -99,7 +103,13 @@ class CacheManager:
         self.config = config
         self.block_tokens = config.block_tokens
         self.layout = layout or build_layout(model.groups, config.block_tokens, config.memory_bytes)
-        self.allocator = PageAllocator(self.layout, config.eviction, config.eviction_alpha)
+        partition = None
+        if config.state_memory_fraction is not None:
+            recurrent_ids = {g.group_id for g in model.groups if g.is_recurrent}
+            partition = static_split(self.layout, recurrent_ids, config.state_memory_fraction)
+        self.allocator = PageAllocator(
+            self.layout, config.eviction, config.eviction_alpha, partition
+        )
         self.groups: list[GroupManager] = [self._make_group(g) for g in model.groups]
         self.recurrent = [g for g in self.groups if isinstance(g, RecurrentGroup)]
         self._root = root_hash(model.name, model.model_type, model.dtype, config.cache_salt)
