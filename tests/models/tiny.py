@@ -1,4 +1,4 @@
-"""Tiny random Qwen hybrid checkpoints, built locally with transformers (never downloaded).
+"""Tiny random hybrid checkpoints built locally with transformers (never downloaded).
 
 Shapes are chosen so that no page size divides another: attention 2 KV heads x 24 dims,
 GDN 2 k-heads x 16 and 4 v-heads x 12 (two v-heads per k-head, so the grouped head order
@@ -47,19 +47,18 @@ MOE = {
     "moe_intermediate_size": 32,
     "shared_expert_intermediate_size": 48,
 }
-EXTRA: dict[str, dict[str, Any]] = {
-    "qwen3_next": {**MOE, "decoder_sparse_step": 2},  # layers 1, 3 MoE; 0, 2 dense
-    "qwen3_5_text": {},
-    "qwen3_5_moe_text": MOE,
+# model_type -> tiny config; other architectures add their entry here and reuse the helpers.
+CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_next": {**BASE, **MOE, "decoder_sparse_step": 2},  # layers 1, 3 MoE; 0, 2 dense
+    "qwen3_5_text": BASE,
+    "qwen3_5_moe_text": {**BASE, **MOE},
 }
-MODEL_TYPES = list(EXTRA)
+QWEN_MODEL_TYPES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
 
 
 def make_hf_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
     """A seeded random transformers model in fp32, constant tensors perturbed."""
-    cfg = transformers.AutoConfig.for_model(
-        model_type, **{**BASE, **EXTRA[model_type], **overrides}
-    )
+    cfg = transformers.AutoConfig.for_model(model_type, **{**CONFIGS[model_type], **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)

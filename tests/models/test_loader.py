@@ -1,0 +1,94 @@
+"""load_model: single and sharded safetensors, tied embeddings, VLM-nested Qwen3.5, dtypes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from paged_runner import PagedRunner
+from safetensors.torch import load_file, save_file
+from tiny import EOS_ID, hf_logits, make_hf_model, save_checkpoint
+
+from hybridkv.models.loader import load_model
+
+IDS = list(range(3, 40))
+
+
+def run(lm) -> torch.Tensor:
+    return PagedRunner(lm.model, lm.spec).step([("a", IDS)], all_logits=True)
+
+
+def test_sharded_checkpoint(tmp_path: Path) -> None:
+    hf = make_hf_model("qwen3_next")
+    save_checkpoint(hf, tmp_path, max_shard_size="100KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    got = run(load_model(tmp_path, "float32"))
+    assert float((got - hf_logits(hf, IDS)).abs().max()) < 1e-4
+
+
+def test_tied_embeddings_have_no_lm_head_on_disk(tmp_path: Path) -> None:
+    hf = make_hf_model("qwen3_5_text", tie_word_embeddings=True)
+    save_checkpoint(hf, tmp_path)
+    assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
+    lm = load_model(tmp_path, "float32")
+    assert lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
+    assert float((run(lm) - hf_logits(hf, IDS)).abs().max()) < 1e-4
+
+
+def nest_as_vlm(text_dir: Path, vlm_dir: Path) -> None:
+    """Rewrite a text checkpoint the way real Qwen3.5 ships: VLM config, language_model.*."""
+    text_cfg = json.loads((text_dir / "config.json").read_text())
+    config = {
+        "architectures": ["Qwen3_5ForConditionalGeneration"],
+        "model_type": "qwen3_5",
+        "text_config": text_cfg,
+        "vision_config": {"model_type": "qwen3_5", "depth": 1, "hidden_size": 8},
+        "tie_word_embeddings": False,
+    }
+    vlm_dir.mkdir()
+    (vlm_dir / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for name, tensor in load_file(text_dir / "model.safetensors").items():
+        tensors[name.replace("model.", "model.language_model.", 1)] = tensor
+    tensors["model.visual.blocks.0.attn.qkv.weight"] = torch.zeros(24, 8)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, vlm_dir / "model.safetensors")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        (vlm_dir / name).write_bytes((text_dir / name).read_bytes())
+
+
+def test_vlm_nested_qwen3_5(tmp_path: Path) -> None:
+    hf = make_hf_model("qwen3_5_text")
+    save_checkpoint(hf, tmp_path / "text")
+    nest_as_vlm(tmp_path / "text", tmp_path / "vlm")
+    lm = load_model(tmp_path / "vlm", "float32")
+    assert lm.spec.model_type == "qwen3_5_text"
+    assert lm.config["wrapper_model_type"] == "qwen3_5"
+    assert float((run(lm) - hf_logits(hf, IDS)).abs().max()) < 1e-4
+    assert lm.tokenizer is not None and lm.tokenizer.eos_token_ids == [EOS_ID]
+
+
+def test_fp32_model_keeps_every_cache_tensor_fp32(get_tiny) -> None:
+    _, lm = get_tiny("qwen3_5_text")
+    dtypes = {t.dtype for c in lm.spec.layers for t in getattr(c.spec, "tensors", ())}
+    assert dtypes == {"float32"} and lm.spec.dtype == "float32"
+
+
+def test_bfloat16_load_runs_close_to_fp32(tmp_path: Path, get_tiny) -> None:
+    hf, lm32 = get_tiny("qwen3_next")
+    lm16 = load_model(save_checkpoint(hf, tmp_path), "bfloat16")
+    assert lm16.spec.dtype == "bfloat16"
+    conv = [t for c in lm16.spec.layers for t in getattr(c.spec, "tensors", ())]
+    assert {t.dtype for t in conv} == {"bfloat16"}  # no mamba_ssm_dtype: ssm follows the model
+    assert next(lm16.model.parameters()).dtype == torch.bfloat16
+    diff = (run(lm16) - run(lm32)).abs().max()
+    assert torch.isfinite(diff) and float(diff) < 0.25
+
+
+def test_unknown_model_type_is_rejected(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
+    with pytest.raises(ValueError):
+        load_model(tmp_path, "float32")
