@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from hybridkv.models.base import CausalLM
+from hybridkv.models.jamba import JambaForCausalLM
 from hybridkv.models.lfm2 import Lfm2ForCausalLM
 from hybridkv.models.qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 from hybridkv.models.qwen3_next import Qwen3NextForCausalLM
@@ -14,6 +15,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3_5_moe": Qwen35MoeForCausalLM,
     "qwen3_5_moe_text": Qwen35MoeForCausalLM,
     "lfm2": Lfm2ForCausalLM,
+    "jamba": JambaForCausalLM,
 }
 
 
