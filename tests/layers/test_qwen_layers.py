@@ -1,0 +1,77 @@
+"""Qwen3-Next building blocks against their transformers counterparts (weights copied)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.layers.mlp import SparseMoE
+from hybridkv.layers.norm import GatedRMSNorm, ZeroCenteredRMSNorm
+from hybridkv.layers.rope import RotaryEmbedding, apply_rope, rope_settings
+
+hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_round_like_transformers(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, gate = torch.randn(5, 12, generator=gen), torch.randn(5, 12, generator=gen)
+    weight = torch.randn(12, generator=gen) * 0.1
+    ours, theirs = ZeroCenteredRMSNorm(12).to(dtype), hf.Qwen3NextRMSNorm(12).to(dtype)
+    gated_ours, gated_theirs = GatedRMSNorm(12).to(dtype), hf.Qwen3NextRMSNormGated(12).to(dtype)
+    with torch.no_grad():
+        for module in (ours, theirs, gated_ours, gated_theirs):
+            module.weight.copy_(weight)
+        assert torch.equal(ours(x.to(dtype)), theirs(x.to(dtype)))
+        assert torch.equal(
+            gated_ours(x.to(dtype), gate.to(dtype)), gated_theirs(x.to(dtype), gate.to(dtype))
+        )
+
+
+def test_partial_rope_matches_transformers() -> None:
+    cfg = transformers.Qwen3NextConfig(head_dim=24, num_attention_heads=4, hidden_size=64)
+    rotary_dim, theta = rope_settings(cfg.to_dict(), 24)
+    assert rotary_dim == 6  # partial_rotary_factor 0.25
+    positions = torch.tensor([0, 5, 17, 300])
+    q, k = torch.randn(4, 3, 24), torch.randn(4, 2, 24)
+    cos, sin = RotaryEmbedding(rotary_dim, theta)(positions, torch.float32)
+    ref_cos, ref_sin = hf.Qwen3NextRotaryEmbedding(cfg)(q, positions[None])
+    ref_q, ref_k = hf.apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], ref_cos, ref_sin
+    )
+    torch.testing.assert_close(apply_rope(q, cos, sin), ref_q[0].transpose(0, 1))
+    torch.testing.assert_close(apply_rope(k, cos, sin), ref_k[0].transpose(0, 1))
+
+
+def test_legacy_rope_keys_and_unsupported_scaling() -> None:
+    assert rope_settings({"rope_theta": 1e7, "partial_rotary_factor": 0.5}, 256) == (128, 1e7)
+    with pytest.raises(NotImplementedError):
+        rope_settings({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, 64)
+
+
+def test_moe_matches_transformers_block() -> None:
+    cfg = transformers.Qwen3NextConfig(
+        hidden_size=16,
+        num_experts=5,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        shared_expert_intermediate_size=12,
+        norm_topk_prob=False,
+    )
+    torch.manual_seed(0)
+    ref = hf.Qwen3NextSparseMoeBlock(cfg)
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    ours = SparseMoE(16, 8, 5, 2, norm_topk_prob=False, shared_intermediate=12)
+    with torch.no_grad():
+        ours.gate.weight.copy_(ref.gate.weight)
+        for e, expert in enumerate(ours.experts):
+            gate, up = ref.experts.gate_up_proj[e].chunk(2, dim=0)
+            expert.gate_proj.weight.copy_(gate)
+            expert.up_proj.weight.copy_(up)
+            expert.down_proj.weight.copy_(ref.experts.down_proj[e])
+        ours.shared_expert.load_state_dict(ref.shared_expert.state_dict())
+        ours.shared_expert_gate.load_state_dict(ref.shared_expert_gate.state_dict())
+        x = torch.randn(7, 16)
+        torch.testing.assert_close(ours(x), ref(x[None])[0], atol=1e-6, rtol=1e-5)
