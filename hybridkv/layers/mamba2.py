@@ -15,16 +15,21 @@ Face ones (``mixer.in_proj.weight``, ``mixer.conv1d.weight`` ...).
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
+from hybridkv.core.spec import RecurrentStateSpec
 from hybridkv.ops.causal_conv1d import causal_conv1d_paged
-from hybridkv.ops.mamba2 import SSDParams, ssd_paged
+from hybridkv.ops.mamba2 import NO_DT_LIMIT, SSDParams, ssd_paged
+
+if TYPE_CHECKING:  # layers sit below models: annotations only, no runtime import upward
+    from hybridkv.models.batch import ForwardBatch
+    from hybridkv.models.cache import CacheViews
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -43,6 +48,28 @@ class Mamba2Config:
     conv_bias: bool = True
     proj_bias: bool = False
     dt_limit: tuple[float, float] = (0.0, math.inf)
+    # NemotronH in transformers clamps dt only in its chunked path, as mamba_ssm's step does
+    clamp_dt_in_step: bool = True
+
+    @classmethod
+    def from_spec(cls, spec: RecurrentStateSpec, **options: Any) -> Mamba2Config:
+        """Heads and sizes from the layer's cache spec, the rest (``hidden_size``, ...) as given.
+
+        The core reads every family's Mamba2 keys once (``families._mamba2_geometry``); taking
+        the geometry back from the spec keeps the module and its state pages in agreement.
+        """
+        shapes = {t.name: t.shape for t in spec.tensors}
+        heads, head_dim, d_state = shapes["ssm"]
+        channels, taps_kept = shapes["conv"]  # [C, K-1]
+        n_groups = (channels - heads * head_dim) // (2 * d_state)
+        return cls(
+            num_heads=heads,
+            head_dim=head_dim,
+            d_state=d_state,
+            n_groups=n_groups,
+            conv_kernel=taps_kept + 1,
+            **options,
+        )
 
     @property
     def inner_size(self) -> int:
@@ -51,6 +78,15 @@ class Mamba2Config:
     @property
     def conv_channels(self) -> int:
         return self.inner_size + 2 * self.n_groups * self.d_state
+
+
+def parse_dt_limit(value: Any) -> tuple[float, float]:
+    """``time_step_limit`` as config.json writes it: None, or a pair whose infinity may be
+    serialised as ``{"__float__": "Infinity"}``."""
+    if value is None:
+        return (0.0, math.inf)
+    lo, hi = (float(v["__float__"]) if isinstance(v, Mapping) else float(v) for v in value)
+    return (lo, hi)
 
 
 class GroupedGatedRMSNorm(nn.Module):
@@ -122,6 +158,7 @@ class Mamba2Mixer(nn.Module):
             dt_bias=self.dt_bias,
             chunk_size=cfg.chunk_size,
             dt_limit=cfg.dt_limit,
+            step_dt_limit=None if cfg.clamp_dt_in_step else NO_DT_LIMIT,
         )
         y = ssd_paged(
             xs.reshape(num_tokens, cfg.num_heads, cfg.head_dim),

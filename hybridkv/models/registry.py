@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from hybridkv.models.bamba import BambaForCausalLM
 from hybridkv.models.base import CausalLM
+from hybridkv.models.falcon_h1 import FalconH1ForCausalLM
+from hybridkv.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from hybridkv.models.jamba import JambaForCausalLM
 from hybridkv.models.lfm2 import Lfm2ForCausalLM
+from hybridkv.models.nemotron_h import NemotronHForCausalLM
 from hybridkv.models.qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 from hybridkv.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -16,6 +20,10 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3_5_moe_text": Qwen35MoeForCausalLM,
     "lfm2": Lfm2ForCausalLM,
     "jamba": JambaForCausalLM,
+    "falcon_h1": FalconH1ForCausalLM,
+    "bamba": BambaForCausalLM,
+    "nemotron_h": NemotronHForCausalLM,
+    "granitemoehybrid": GraniteMoeHybridForCausalLM,
 }
 
 

@@ -19,6 +19,7 @@ class SSDParams:
     dt_bias: Tensor | None  # [H]
     chunk_size: int
     dt_limit: DtLimit = NO_DT_LIMIT
+    step_dt_limit: DtLimit | None = None  # one-token steps; None: same as dt_limit
 
 
 def ssd_paged(
@@ -46,7 +47,8 @@ def ssd_paged(
     Returns:
         [T, H, P] in x's dtype.
     """
-    kw = {"D": params.D, "dt_bias": params.dt_bias, "dt_limit": params.dt_limit}
+    kw = {"D": params.D, "dt_bias": params.dt_bias}
+    step_limit = params.dt_limit if params.step_dt_limit is None else params.step_dt_limit
     out = torch.empty_like(x)
     pages = state_pages.tolist()
     single = [r for r in range(len(pages)) if starts[r + 1] - starts[r] == 1]
@@ -56,7 +58,9 @@ def ssd_paged(
         state = ssm_pages[idx].to(torch.float32)  # [B, H, P, N] (gathered copy)
         fresh = torch.tensor([not has_initial_state[r] for r in single], device=x.device)
         state[fresh] = 0
-        out[rows] = ssd_state_update(state, x[rows], dt[rows], params.A, B[rows], C[rows], **kw)
+        out[rows] = ssd_state_update(
+            state, x[rows], dt[rows], params.A, B[rows], C[rows], dt_limit=step_limit, **kw
+        )
         ssm_pages[idx] = state.to(ssm_pages.dtype)
     for r, page in enumerate(pages):
         lo, hi = starts[r], starts[r + 1]
@@ -70,6 +74,7 @@ def ssd_paged(
             B[lo:hi],
             C[lo:hi],
             chunk_size=params.chunk_size,
+            dt_limit=params.dt_limit,
             initial_state=initial,
             **kw,
         )
