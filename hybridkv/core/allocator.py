@@ -10,6 +10,11 @@ Order of preference for a page of group ``g``::
 Step 3 is what lets snapshots give way to attention KV and back: the SGLang unified
 pool once evicted only its own side and reported "cannot alloc" with memory to spare
 (SGLang PR #34441).
+
+A request's pages are taken one by one, so the last one may not fit after earlier ones
+evicted cached prefixes. Between :meth:`PageAllocator.begin` and ``end`` evictions are
+journaled, and :meth:`PageAllocator.rollback` puts them back: a failed allocation
+leaves the cache as it found it (vLLM checks the free count first for the same reason).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections.abc import Mapping
 from hybridkv.core.arena import ChunkArena
 from hybridkv.core.eviction import Candidate, EvictionPolicy, pick_victim
 from hybridkv.core.layout import ArenaLayout
-from hybridkv.core.pool import PageId, PagePool
+from hybridkv.core.pool import CachedPage, EvictedChunk, PageId, PagePool
 
 EVICTION_WINDOW = 16  # oldest cached pages per group considered by the cost policy
 
@@ -41,6 +46,7 @@ class PageAllocator:
         self.alpha = alpha
         self.clock = 0
         self.num_evicted_pages = [0] * len(self.pools)
+        self._journal: list[tuple[int, CachedPage | EvictedChunk]] | None = None
 
     def tick(self) -> int:
         """Advance logical time (once per scheduler step)."""
@@ -98,13 +104,43 @@ class PageAllocator:
         if victim is None:
             return None
         if victim.page is not None:
+            pool = self.pools[group_id]
+            if self._journal is not None:
+                self._journal.append((group_id, pool.cached_page(PageId(victim.page))))
             self.num_evicted_pages[group_id] += 1
-            return self.pools[group_id].reuse_cached(PageId(victim.page), self.clock)
+            return pool.reuse_cached(PageId(victim.page), self.clock)
         assert victim.chunk is not None
-        self.num_evicted_pages[victim.group_id] += self.pools[victim.group_id].evict_chunk(
-            victim.chunk
-        )
+        record = self.pools[victim.group_id].evict_chunk(victim.chunk)
+        if self._journal is not None:
+            self._journal.append((victim.group_id, record))
+        self.num_evicted_pages[victim.group_id] += len(record.cached)
         return self.allocate(group_id)
+
+    def begin(self) -> None:
+        """Start journaling evictions: the pages about to be taken may not all fit."""
+        self._journal = []
+
+    def end(self) -> None:
+        """Keep the evictions since :meth:`begin`."""
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undo the evictions since :meth:`begin`.
+
+        Every page allocated since :meth:`begin` must have been released first, so that
+        each evicted page (or chunk) is free again and can be cached as it was.
+        """
+        journal, self._journal = self._journal or [], None
+        for group_id, record in reversed(journal):
+            pool = self.pools[group_id]
+            if isinstance(record, EvictedChunk):
+                pool.restore_chunk(record)
+                self.num_evicted_pages[group_id] -= len(record.cached)
+            else:
+                pool.restore_page(record)
+                self.num_evicted_pages[group_id] -= 1
+        for group_id in {group_id for group_id, _ in journal}:
+            self.pools[group_id].sort_queue()
 
     def check_integrity(self) -> None:
         self.arena.check_integrity()

@@ -88,6 +88,13 @@ class ChunkArena:
             self.num_transfers += 1
         return chunk
 
+    def take_chunk(self, group_id: int, chunk: int) -> None:
+        """Give one particular free chunk back to a group (undoing an eviction)."""
+        assert self._owner[chunk] is None, f"chunk {chunk} is not free"
+        self._free.remove(chunk)
+        heapq.heapify(self._free)
+        self._owner[chunk] = group_id
+
     def release(self, chunk: int) -> None:
         """Return a chunk whose pages are all free and uncached."""
         assert self._owner[chunk] is not None, f"chunk {chunk} is already free"

@@ -169,12 +169,15 @@ class CacheManager:
                 group.take_hit(req_id, req.hashes, req.num_computed)
         total = req.num_computed + num_new_tokens
         new_pages: list[tuple[PageId, ...]] = []
+        self.allocator.begin()
         for group in self.groups:
             pages = group.allocate(req_id, total)
             if pages is None:
                 self._undo(req_id, first, new_pages)
+                self.allocator.rollback()
                 return None
             new_pages.append(tuple(pages))
+        self.allocator.end()
         if first:
             self._start(req_id, req)
         restores = self._restores(req_id, req.num_cached_tokens) if first else ()
@@ -213,13 +216,16 @@ class CacheManager:
         if not policy.is_checkpoint(total, req.prompt_len, self.block_tokens):
             return ()
         copies: list[StateCopy] = []
+        self.allocator.begin()
         for group in self.recurrent:
             page = group.reserve_snapshot(req_id, total)
             if page is None:  # all groups or none: a partial snapshot is useless
                 for g in self.recurrent:
                     g.cancel_snapshot(req_id)
+                self.allocator.rollback()
                 return ()
             copies.append(StateCopy(group.group_id, group.live_page(req_id), page))
+        self.allocator.end()
         return tuple(copies)
 
     def commit(self, req_id: ReqId, num_computed: int, new_token_ids: Sequence[int] = ()) -> None:

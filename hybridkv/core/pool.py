@@ -13,13 +13,32 @@ empty ones go back to the arena for any group to take.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NewType
+from typing import NamedTuple, NewType
 
 from hybridkv.core.arena import ChunkArena
 from hybridkv.core.hashing import BlockHash
 
 PageId = NewType("PageId", int)
 NULL_PAGE = PageId(-1)  # "no data here": skipped sliding-window blocks; never read
+
+
+class CachedPage(NamedTuple):
+    """A cached page as it was just before an eviction: enough to undo the eviction."""
+
+    page: PageId
+    block_hash: BlockHash
+    saved_tokens: int
+    last_used: int
+    queue_seq: int  # its place in the LRU queue
+
+
+class EvictedChunk(NamedTuple):
+    """A chunk as it was just before :meth:`PagePool.evict_chunk`."""
+
+    chunk: int
+    free_pages: tuple[PageId, ...]  # its free list, in order
+    newest_use: int
+    cached: tuple[CachedPage, ...]
 
 
 class PagePool:
@@ -36,7 +55,9 @@ class PagePool:
         self._by_hash: dict[BlockHash, PageId] = {}
         self.last_used: dict[PageId, int] = {}
         self.saved_tokens: dict[PageId, int] = {}  # prefix tokens a hit on this page saves
-        self._cached: OrderedDict[PageId, None] = OrderedDict()  # ref 0 + hashed, oldest first
+        # ref 0 + hashed, oldest first; the value orders the queue when evictions are undone
+        self._cached: OrderedDict[PageId, int] = OrderedDict()
+        self._queue_seq = 0
         self._free: dict[int, list[PageId]] = {}  # chunk → free uncached pages
         self._buckets: list[set[int]] = [set() for _ in range(max(self._ppc, 1) + 1)]
         self._referenced: dict[int, int] = {}  # chunk → pages with ref > 0
@@ -139,7 +160,8 @@ class PagePool:
         self.last_used[page] = now
         self._newest_use[chunk] = max(self._newest_use.get(chunk, 0), now)
         if page in self._hash:
-            self._cached[page] = None
+            self._queue_seq += 1
+            self._cached[page] = self._queue_seq
         else:
             self._put_free(page)
 
@@ -171,19 +193,78 @@ class PagePool:
         self._reference(page, now)
         return page
 
-    def evict_chunk(self, chunk: int) -> int:
-        """Evict every cached page of an unreferenced chunk and give it back to the arena."""
+    def evict_chunk(self, chunk: int) -> EvictedChunk:
+        """Evict every cached page of an unreferenced chunk and give it back to the arena.
+
+        Returns what was evicted, for :meth:`restore_chunk`.
+        """
         assert self._referenced[chunk] == 0, f"chunk {chunk} still has referenced pages"
         first = chunk * self._ppc
-        evicted = 0
-        for p in range(first, first + self.arena.layout.pages_in_chunk(self.group_id, chunk)):
-            page = PageId(p)
-            if page in self._cached:
-                self.uncache(page)  # puts it on the free list; the last one frees the chunk
-                evicted += 1
-        return evicted
+        count = self.arena.layout.pages_in_chunk(self.group_id, chunk)
+        record = EvictedChunk(
+            chunk=chunk,
+            free_pages=tuple(self._free[chunk]),
+            newest_use=self._newest_use.get(chunk, 0),
+            cached=tuple(
+                self.cached_page(PageId(p))
+                for p in range(first, first + count)
+                if PageId(p) in self._cached
+            ),
+        )
+        for cached in record.cached:
+            self.uncache(cached.page)  # puts it on the free list; the last one frees the chunk
+        return record
+
+    def cached_page(self, page: PageId) -> CachedPage:
+        """The record that :meth:`restore_page` needs to undo evicting this cached page."""
+        return CachedPage(
+            page=page,
+            block_hash=self._hash[page],
+            saved_tokens=self.saved_tokens.get(page, 0),
+            last_used=self.last_used[page],
+            queue_seq=self._cached[page],
+        )
+
+    def restore_page(self, cached: CachedPage) -> None:
+        """Undo :meth:`reuse_cached` of a page that has been released (is free) again."""
+        chunk = self.chunk_of(cached.page)
+        if chunk not in self._free:  # the chunk emptied and went back to the arena
+            self.arena.take_chunk(self.group_id, chunk)
+            self.add_chunk(chunk)
+        pages = self._free[chunk]
+        self._buckets[len(pages)].discard(chunk)
+        pages.remove(cached.page)
+        if pages:
+            self._buckets[len(pages)].add(chunk)
+        self._recache(cached)
+
+    def restore_chunk(self, record: EvictedChunk) -> None:
+        """Undo :meth:`evict_chunk` once the chunk is free in the arena again."""
+        self.arena.take_chunk(self.group_id, record.chunk)
+        self._free[record.chunk] = list(record.free_pages)
+        if record.free_pages:
+            self._buckets[len(record.free_pages)].add(record.chunk)
+        self._referenced[record.chunk] = 0
+        self._newest_use[record.chunk] = record.newest_use
+        for page in record.free_pages:
+            self._ref[page] = 0
+        for cached in record.cached:
+            self._ref[cached.page] = 0
+            self._recache(cached)
+
+    def sort_queue(self) -> None:
+        """Put restored pages back in their LRU places (after restore_page/restore_chunk)."""
+        self._cached = OrderedDict(sorted(self._cached.items(), key=lambda item: item[1]))
 
     # ------------------------------------------------------------------ internals
+
+    def _recache(self, cached: CachedPage) -> None:
+        page = cached.page
+        self._hash[page] = cached.block_hash
+        self._by_hash[cached.block_hash] = page
+        self.saved_tokens[page] = cached.saved_tokens
+        self.last_used[page] = cached.last_used
+        self._cached[page] = cached.queue_seq
 
     def _reference(self, page: PageId, now: int) -> None:
         if self._ref[page] == 0:

@@ -1,0 +1,264 @@
+"""CacheManager semantics: hybrid hits, where snapshots are taken and kept, failures."""
+
+from __future__ import annotations
+
+import pytest
+from core_factories import (
+    BLOCK,
+    attention_model,
+    cached_snapshot_positions,
+    decode,
+    make_manager,
+    page_counts,
+    prefill,
+    snapshot_positions,
+    tokens,
+)
+
+from hybridkv.core.checkpoint import CheckpointPolicy
+from hybridkv.core.groups.base import ReqId
+from hybridkv.core.manager import StateCopy
+
+A, B, C = ReqId("a"), ReqId("b"), ReqId("c")
+ATTN, STATE = 0, 1
+
+
+@pytest.mark.parametrize(
+    ("prompt_len", "prompt_end"), [(5, 4), (8, 4), (9, 8), (12, 8), (13, 12), (17, 16)]
+)
+def test_prompt_end_snapshot_at_floor_of_prompt_minus_one(prompt_len: int, prompt_end: int) -> None:
+    mgr = make_manager(num_chunks=8)
+    mgr.add_request(A, tokens(prompt_len))
+    assert mgr.next_split(A, 0, prompt_len) == prompt_end
+    allocs = prefill(mgr, "a", prompt_len)
+    snapshot_page = allocs[0].snapshots[0].dst_page
+    assert allocs[0].snapshots == (StateCopy(STATE, mgr.live_page(A, STATE), snapshot_page),)
+    assert prompt_end in snapshot_positions(mgr, "a")
+    mgr.free(A)
+    mgr.add_request(B, tokens(prompt_len))  # the same prompt again
+    assert mgr.find_hit(B).num_tokens == prompt_end
+
+
+def test_no_kv_hit_without_its_state() -> None:
+    policy = CheckpointPolicy(at_prompt_end=False, at_sequence_end=False)
+    mgr = make_manager(num_chunks=8, checkpoint=policy)
+    mgr.add_request(A, tokens(20))
+    allocs = prefill(mgr, "a", 20)
+    assert all(a.snapshots == () for a in allocs)
+    mgr.free(A)
+    assert mgr.allocator.pools[ATTN].num_cached_pages == 5  # every block of a is cached
+    mgr.add_request(B, tokens(30))
+    assert mgr.find_hit(B).num_tokens == 0  # but no snapshot to resume the state from
+
+
+def test_hit_is_the_snapshot_not_the_longest_kv_prefix() -> None:
+    mgr = make_manager(num_chunks=8)
+    mgr.add_request(A, tokens(20))
+    prefill(mgr, "a", 20)  # snapshots at 16 (prompt end) and 20 (the whole prompt)
+    assert snapshot_positions(mgr, "a") == [16, 20]
+    mgr.free(A)
+    mgr.add_request(B, tokens(18) + tokens(12, start=900))  # shares 18 tokens with a
+    assert mgr.find_hit(B).num_tokens == 16  # KV covers 16 too; the next snapshot is 20
+    mgr.add_request(C, tokens(20) + tokens(12, start=900))
+    assert mgr.find_hit(C).num_tokens == 20
+
+
+def test_hit_restores_the_snapshot_into_a_fresh_live_page() -> None:
+    mgr = make_manager(num_chunks=8)
+    mgr.add_request(A, tokens(13))
+    prefill(mgr, "a", 13)
+    snapshot = mgr.recurrent[0].reqs[A].snapshots[12]
+    mgr.free(A)
+    mgr.add_request(B, tokens(13))
+    hit = mgr.find_hit(B)
+    assert hit.num_tokens == 12
+    alloc = mgr.allocate(B, 1, hit)
+    assert alloc is not None
+    live = mgr.live_page(B, STATE)
+    assert live != snapshot
+    assert alloc.restores == (StateCopy(STATE, snapshot, live),)
+    assert mgr.num_computed_tokens(B) == 12
+    assert mgr.num_cached_tokens(B) == 12
+    assert len(alloc.new_pages[ATTN]) == 1  # block 3 is recomputed, blocks 0-2 are shared
+    assert mgr.stats.hit_tokens == 12
+    mgr.check_integrity()
+
+
+def test_decode_keeps_only_the_latest_boundary_snapshot_and_the_prompt_end() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(6))
+    prefill(mgr, "a", 6, sampled=100)
+    assert snapshot_positions(mgr, "a") == [4]
+    decode(mgr, "a", tokens(2, start=101))  # computes positions 6 and 7
+    assert snapshot_positions(mgr, "a") == [4, 8]
+    decode(mgr, "a", tokens(20, start=103))  # up to 28 tokens computed
+    assert mgr.num_computed_tokens(A) == 28
+    assert snapshot_positions(mgr, "a") == [4, 28]
+    seq = tokens(6) + tokens(23, start=100)
+    assert cached_snapshot_positions(mgr, seq) == [4, 28]  # dropped ones left the cache
+
+
+def test_retention_interval_keeps_sparse_snapshots() -> None:
+    policy = CheckpointPolicy(retention_interval_tokens=4 * BLOCK)
+    mgr = make_manager(num_chunks=16, checkpoint=policy)
+    mgr.add_request(A, tokens(6))
+    prefill(mgr, "a", 6, sampled=100)
+    decode(mgr, "a", tokens(35, start=101))  # 40 tokens computed
+    assert snapshot_positions(mgr, "a") == [4, 16, 32, 40]
+
+
+def test_interval_checkpoints_split_prefill_chunks() -> None:
+    policy = CheckpointPolicy(interval_tokens=2 * BLOCK)
+    mgr = make_manager(num_chunks=16, checkpoint=policy)
+    mgr.add_request(A, tokens(30))
+    assert mgr.next_split(A, 0, 30) == 8
+    assert mgr.next_split(A, 8, 30) == 16
+    assert mgr.next_split(A, 16, 20) == 20  # no checkpoint strictly inside
+    assert mgr.next_split(A, 24, 30) == 28  # the prompt end
+    assert mgr.next_split(A, 28, 30) == 30
+    allocs = prefill(mgr, "a", 30)
+    assert [len(a.snapshots) for a in allocs] == [1, 1, 1, 1, 0]
+    assert snapshot_positions(mgr, "a") == [8, 16, 24, 28]
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no_caching"])
+def test_next_split_without_recurrent_groups_or_caching_is_the_chunk(caching: bool) -> None:
+    mgr = make_manager(attention_model(), num_chunks=16, caching=caching)
+    mgr.add_request(A, tokens(30))
+    assert mgr.next_split(A, 0, 30) == 30
+    mgr = make_manager(num_chunks=16, caching=False)
+    mgr.add_request(A, tokens(30))
+    assert mgr.next_split(A, 0, 30) == 30
+
+
+def test_second_turn_resumes_at_the_last_boundary_of_the_first() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(9))
+    prefill(mgr, "a", 9, sampled=100)
+    decode(mgr, "a", tokens(9, start=101))  # 18 computed, 19 tokens (last one unseen)
+    turn1 = tokens(9) + tokens(10, start=100)
+    mgr.free(A)
+    mgr.add_request(B, [*turn1, 7, 7, 7, 7, 7])
+    assert mgr.find_hit(B).num_tokens == 16  # the last block boundary turn 1 computed
+    prefill(mgr, "b", len(turn1) + 5)
+    mgr.check_integrity()
+
+
+def test_allocation_failure_returns_none_and_changes_nothing() -> None:
+    mgr = make_manager(num_chunks=3)
+    mgr.add_request(A, tokens(13))
+    prefill(mgr, "a", 13)
+    mgr.free(A)
+    mgr.add_request(B, tokens(60, start=1000))
+    before = page_counts(mgr)
+    queues = [p.cached_pages_oldest_first() for p in mgr.allocator.pools]
+    assert mgr.allocate(B, 40, mgr.find_hit(B)) is None  # evicts a's pages, then fails
+    mgr.check_integrity()
+    assert page_counts(mgr) == before
+    assert [p.cached_pages_oldest_first() for p in mgr.allocator.pools] == queues
+    assert mgr.allocator.num_evicted_pages == [0, 0]
+    assert mgr.num_computed_tokens(B) == 0
+    mgr.add_request(C, tokens(13))
+    assert mgr.find_hit(C).num_tokens == 12  # a's prefix survived the failed attempt
+
+
+def test_failed_decode_growth_keeps_the_running_request() -> None:
+    mgr = make_manager(attention_model(), num_chunks=1)
+    mgr.add_request(A, tokens(11))
+    prefill(mgr, "a", 11, sampled=100)
+    table = list(mgr.block_table(A, ATTN))
+    before = page_counts(mgr)
+    assert mgr.allocate(A, 8) is None
+    assert mgr.block_table(A, ATTN) == table
+    assert page_counts(mgr) == before
+    mgr.check_integrity()
+
+
+def test_failed_hit_allocation_keeps_the_hit_cached() -> None:
+    mgr = make_manager(attention_model(), num_chunks=2)
+    mgr.add_request(A, tokens(13))
+    prefill(mgr, "a", 13)
+    mgr.free(A)
+    mgr.add_request(B, tokens(12) + tokens(40, start=500))
+    hit = mgr.find_hit(B)
+    assert hit.num_tokens == 12
+    before = page_counts(mgr)
+    assert mgr.allocate(B, 40, hit) is None
+    assert page_counts(mgr) == before
+    assert mgr.find_hit(B).num_tokens == 12
+    mgr.check_integrity()
+
+
+def test_caching_off_gives_no_hits_and_no_snapshots() -> None:
+    mgr = make_manager(num_chunks=8, caching=False)
+    mgr.add_request(A, tokens(20))
+    allocs = prefill(mgr, "a", 20)
+    assert all(a.snapshots == () for a in allocs)
+    mgr.free(A)
+    assert page_counts(mgr).cached == (0, 0)
+    assert page_counts(mgr).used == (0, 0)
+    mgr.add_request(B, tokens(20))
+    assert mgr.find_hit(B).num_tokens == 0
+
+
+def test_duplicate_prefix_from_two_concurrent_requests() -> None:
+    mgr = make_manager(num_chunks=12)
+    for req in (A, B):
+        mgr.add_request(req, tokens(13))
+        assert mgr.allocate(req, 12, mgr.find_hit(req)) is not None  # both before any commit
+    for req in (A, B):
+        mgr.commit(req, 12)
+        mgr.check_integrity()
+    assert mgr.allocator.pools[ATTN].num_cached_pages == 0  # all still referenced
+    assert len(mgr.recurrent[0].reqs[A].snapshots) == 1  # a published first
+    assert len(mgr.recurrent[0].reqs[B].snapshots) == 0  # b's copy went back
+    mgr.free(A)
+    mgr.free(B)
+    assert page_counts(mgr).cached == (3, 1)
+    assert page_counts(mgr).used == (0, 0)
+    mgr.add_request(C, tokens(13))
+    assert mgr.find_hit(C).num_tokens == 12
+    mgr.check_integrity()
+
+
+def test_add_request_twice_is_an_error() -> None:
+    mgr = make_manager()
+    mgr.add_request(A, tokens(4))
+    with pytest.raises(ValueError, match="already"):
+        mgr.add_request(A, tokens(4))
+
+
+def test_checkpoint_intervals_must_be_block_multiples() -> None:
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        make_manager(checkpoint=CheckpointPolicy(interval_tokens=BLOCK + 1))
+
+
+def test_preempted_request_resumes_from_its_own_snapshot() -> None:
+    mgr = make_manager(num_chunks=12)
+    mgr.add_request(A, tokens(9))
+    prefill(mgr, "a", 9, sampled=100)
+    decode(mgr, "a", tokens(4, start=101))  # 12 computed: a boundary snapshot at 12
+    mgr.free(A)  # preempted: resumes with everything it has as the prompt
+    mgr.add_request(A, tokens(9) + tokens(5, start=100))
+    assert mgr.find_hit(A).num_tokens == 12
+
+
+def test_failed_allocation_puts_back_what_it_evicted_across_groups() -> None:
+    mgr = make_manager(num_chunks=4)
+    mgr.add_request(A, tokens(9))
+    prefill(mgr, "a", 9)
+    mgr.free(A)
+    # chunk 0: attention pages 0, 1 cached; chunk 1: state page 3 (a's snapshot) cached
+    assert [mgr.allocator.arena.owner(c) for c in range(4)] == [ATTN, STATE, None, None]
+    before = page_counts(mgr)
+    queues = [p.cached_pages_oldest_first() for p in mgr.allocator.pools]
+    mgr.add_request(B, tokens(41, start=1000))
+    # attention takes the free page, both free chunks, evicts pages 1 and 0 and then the
+    # snapshot's chunk; the live state finds nothing left
+    assert mgr.allocate(B, 40, mgr.find_hit(B)) is None
+    mgr.check_integrity()
+    assert page_counts(mgr) == before
+    assert [p.cached_pages_oldest_first() for p in mgr.allocator.pools] == queues
+    assert [mgr.allocator.arena.owner(c) for c in range(4)] == [ATTN, STATE, None, None]
+    mgr.add_request(C, tokens(9))
+    assert mgr.find_hit(C).num_tokens == 8
