@@ -26,7 +26,6 @@ from hybridkv.core.families import (
     attention_spec,
     get,
     layer_pattern,
-    require,
 )
 from hybridkv.core.spec import LayerCache, ModelSpec, canonical_dtype
 
@@ -152,7 +151,7 @@ def model_spec_from_config(
         dtypes = resolve_dtypes(
             cfg, family, kv_dtype=kv_dtype, conv_dtype=conv_dtype, ssm_dtype=ssm_dtype
         )
-        num_layers = int(require(cfg, "num_hidden_layers", "n_layer"))
+        num_layers = _num_layers(cfg)
         pattern = layer_pattern(cfg, family.name, num_layers)
         layers = _layer_caches(cfg, model_type, family, dtypes, pattern)
     except (TypeError, ValueError) as exc:
@@ -168,6 +167,19 @@ def model_spec_from_config(
         max_model_len=int(max_len) if max_len else None,
         layers=tuple(layers),
     )
+
+
+def _num_layers(cfg: Mapping[str, Any]) -> int:
+    """Layer count; transformers 5 drops ``num_hidden_layers`` from NemotronH configs it
+    saves (the count is the length of ``layers_block_type``), so fall back to the pattern.
+    """
+    count = get(cfg, "num_hidden_layers", "n_layer")
+    if count is not None:
+        return int(count)
+    for field in ("layers_block_type", "layer_types", "hybrid_override_pattern"):
+        if isinstance(cfg.get(field), list | str):
+            return len(cfg[field])
+    raise ModelConfigError("config has no num_hidden_layers and no layer pattern to count")
 
 
 def _layer_caches(
