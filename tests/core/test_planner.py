@@ -1,0 +1,113 @@
+"""The planner against the physical limit, for every built-in model at a few budgets."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from core_factories import make_attention_spec, make_model, make_state_spec
+
+from hybridkv.core.model_config import builtin_model_names, load_model_spec
+from hybridkv.core.planner import PlanError, plan
+
+GIB = 1 << 30
+BUDGETS = [(24, 32, 8192), (80, 256, 8192)]  # GiB, max_num_seqs, max_model_len
+
+
+@pytest.mark.parametrize("name", builtin_model_names())
+@pytest.mark.parametrize(
+    ("gib", "seqs", "max_len"), BUDGETS, ids=[f"{g}gib-{s}seqs" for g, s, _ in BUDGETS]
+)
+def test_capacity_is_within_one_percent_of_the_physical_limit(
+    name: str, gib: int, seqs: int, max_len: int
+) -> None:
+    spec = load_model_spec(name)
+    memory = gib * GIB
+    p = plan(spec, memory, max_num_seqs=seqs, max_model_len=max_len)
+    assert p.padding_waste_bytes >= 0
+    assert p.padding_waste_bytes < 0.01 * memory
+    assert p.layout.total_bytes <= memory
+    assert p.max_concurrency >= 1
+    if spec.num_attention_layers == 0:
+        assert p.kv_capacity_tokens is None and p.physical_limit_tokens is None
+        return
+    assert p.max_num_seqs <= seqs
+    limit = (memory - p.max_num_seqs * spec.state_bytes_per_seq) // spec.kv_bytes_per_token
+    assert p.physical_limit_tokens == limit
+    assert p.kv_capacity_tokens is not None
+    assert p.kv_capacity_tokens <= limit
+    assert p.kv_capacity_tokens >= 0.99 * limit
+
+
+@pytest.mark.parametrize("name", ["qwen3.5-0.8b", "llama-3.1-8b", "mamba2-2.7b"])
+def test_concurrency_fits_the_memory(name: str) -> None:
+    spec = load_model_spec(name)
+    p = plan(spec, 24 * GIB, max_num_seqs=32, max_model_len=8192)
+    need = p.max_concurrency * (spec.state_bytes_per_seq + 8192 * spec.kv_bytes_per_token)
+    assert need <= 24 * GIB
+
+
+def test_pure_attention_plan() -> None:
+    spec = make_model(make_attention_spec(), make_attention_spec())
+    p = plan(spec, 1 << 20, max_num_seqs=4, max_model_len=64)
+    assert [g.kind for g in p.groups] == ["attention"]
+    assert p.state_bytes_per_seq == 0
+    assert p.physical_limit_tokens == (1 << 20) // spec.kv_bytes_per_token
+    assert p.kv_capacity_tokens == p.physical_limit_tokens  # nothing to pad
+    assert p.padding_waste_bytes == 0
+
+
+def test_pure_mamba2_plan() -> None:
+    spec = load_model_spec("mamba2-2.7b")
+    p = plan(spec, 8 * GIB, max_num_seqs=16, max_model_len=4096)
+    assert [g.kind for g in p.groups] == ["mamba2"]
+    assert p.kv_capacity_tokens is None
+    assert p.max_concurrency >= 8 * GIB // spec.state_bytes_per_seq * 0.99
+    assert p.max_concurrency <= 8 * GIB // spec.state_bytes_per_seq
+
+
+def test_tiny_hybrid_plan_groups() -> None:
+    spec = make_model(make_attention_spec(), make_state_spec())
+    p = plan(spec, 1 << 20, max_num_seqs=8, max_model_len=64, block_tokens=4)
+    assert [(g.kind, g.block_tokens) for g in p.groups] == [("attention", 4), ("mamba2", None)]
+    assert p.groups[1].used_bytes == 80
+    assert p.layout.chunk_bytes % p.groups[0].page_bytes == 0
+    assert p.layout.chunk_bytes % p.groups[1].page_bytes == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"memory_bytes": -1}, "memory must be positive"),
+        ({"memory_bytes": 0}, "memory must be positive"),
+        ({"memory_bytes": 1 << 20}, "too small for one sequence"),
+        ({"max_model_len": 10_000_000}, "max_model_len=10000000"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_model_len": 0}, "max_model_len"),
+        ({"block_tokens": 12}, "power of two"),
+    ],
+    ids=["negative", "zero", "tiny", "too-long", "no-seqs", "no-len", "block"],
+)
+def test_plan_errors(kwargs: dict[str, int], message: str) -> None:
+    spec = load_model_spec("qwen3.5-0.8b")
+    args: dict[str, int] = {"memory_bytes": 2 * GIB, **kwargs}
+    memory = args.pop("memory_bytes")
+    with pytest.raises(PlanError, match=message):
+        plan(spec, memory, **args)
+
+
+def test_too_many_sequences_are_clamped_with_a_warning() -> None:
+    spec = load_model_spec("qwen3.5-0.8b")
+    p = plan(spec, 1 * GIB, max_num_seqs=10_000, max_model_len=1024)
+    assert p.max_num_seqs < 10_000
+    assert any("clamped" in w for w in p.warnings)
+    assert p.kv_capacity_tokens is not None and p.kv_capacity_tokens > 0
+
+
+def test_core_does_not_import_torch() -> None:
+    code = (
+        "import sys, hybridkv.core, hybridkv.core.manager, hybridkv.core.planner, "
+        "hybridkv.core.model_config, hybridkv.plan_cli; assert 'torch' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
