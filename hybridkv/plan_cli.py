@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from typing import Any
 
 from hybridkv.core.model_config import builtin_model_names, load_model_spec
@@ -40,8 +41,8 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("MODEL is required (a built-in name, a config.json or a model dir)")
     if args.memory_gib is None:
         raise ValueError("--memory-gib is required")
-    if not args.memory_gib > 0:
-        raise ValueError(f"--memory-gib must be positive, got {args.memory_gib}")
+    if not 0 < args.memory_gib < math.inf:  # nan and inf too: int(inf) would raise OverflowError
+        raise ValueError(f"--memory-gib must be positive and finite, got {args.memory_gib}")
     spec = load_model_spec(
         args.model, kv_dtype=args.kv_dtype, conv_dtype=args.conv_dtype, ssm_dtype=args.ssm_dtype
     )
