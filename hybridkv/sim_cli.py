@@ -189,6 +189,10 @@ def plot_sweep(results: list[SimResult], path: str) -> None:
         ttft_ax.plot(gib, [r.ttft_mean_s for r in runs], marker="o", label=name)
     hit_ax.set(xlabel="cache memory (GiB)", ylabel="token hit rate (%)", xscale="log")
     ttft_ax.set(xlabel="cache memory (GiB)", ylabel="mean TTFT (s)", xscale="log", yscale="log")
+    budgets = sorted({r.memory_bytes / GIB for r in results})
+    for ax in (hit_ax, ttft_ax):
+        ax.minorticks_off()
+        ax.set_xticks(budgets, labels=[f"{b:.3g}" for b in budgets])
     hit_ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
