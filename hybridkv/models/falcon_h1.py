@@ -75,18 +75,30 @@ class SiluGate(nn.Module):
         return (y.float() * F.silu(gate.float())).to(y.dtype)
 
 
-class NormThenGate(nn.Module):
-    """``w * rms_norm_G(y) * silu(z)``: grouped norm before the gate (``norm_before_gate``)."""
+class FalconGatedRMSNorm(nn.Module):
+    """Falcon-H1's grouped output norm (``mamba_rms_norm``), gate before or after the norm.
 
-    def __init__(self, dim: int, group_size: int, eps: float) -> None:
+    ``norm_before_gate`` (the default): ``w * rms_norm_G(y) * silu(z)``; otherwise
+    ``w * rms_norm_G(y * silu(z))``. Unlike Bamba's norm, the weight multiplies in fp32 and
+    the result is cast once at the end, as ``FalconH1RMSNormGated`` does (matters in bf16).
+    """
+
+    def __init__(self, dim: int, group_size: int, eps: float, norm_before_gate: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.group_size, self.eps = group_size, eps
+        self.norm_before_gate = norm_before_gate
 
     def forward(self, y: Tensor, gate: Tensor) -> Tensor:
-        h = y.float().view(*y.shape[:-1], -1, self.group_size)  # [T, G, I/G]
-        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).view_as(y)
-        return (self.weight * h * F.silu(gate.float())).to(y.dtype)
+        h, silu_gate = y.float(), F.silu(gate.float())
+        if not self.norm_before_gate:
+            h = h * silu_gate
+        groups = h.view(*h.shape[:-1], -1, self.group_size)  # [T, G, I/G]
+        h = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view_as(h)
+        h = self.weight * h
+        if self.norm_before_gate:
+            h = h * silu_gate
+        return h.to(y.dtype)
 
 
 def falcon_mamba(cfg: Mapping[str, Any], layer_index: int) -> Mamba2Mixer:
@@ -95,8 +107,14 @@ def falcon_mamba(cfg: Mapping[str, Any], layer_index: int) -> Mamba2Mixer:
     mixer = Mamba2Mixer(mcfg, layer_index)
     if not cfg.get("mamba_rms_norm", False):
         mixer.norm = SiluGate()
-    elif cfg.get("mamba_norm_before_gate", True):
-        mixer.norm = NormThenGate(mcfg.inner_size, mcfg.inner_size // mcfg.n_groups, mcfg.norm_eps)
+    else:
+        before = cfg.get("mamba_norm_before_gate")
+        mixer.norm = FalconGatedRMSNorm(
+            mcfg.inner_size,
+            mcfg.inner_size // mcfg.n_groups,
+            mcfg.norm_eps,
+            norm_before_gate=True if before is None else bool(before),
+        )
     return mixer
 
 

@@ -1,6 +1,9 @@
 """Falcon-H1 (attention ∥ Mamba2 in every layer, muP multipliers) against transformers (fp32).
 
-Every multiplier is set away from 1 so that each folding rule is exercised.
+Every multiplier is set away from 1 so that each folding rule is exercised. Each test runs
+on three variants of the Mamba2 output: the plain ``y * silu(z)`` (``mamba_rms_norm`` off, the
+default), the grouped RMSNorm before the gate (``mamba_norm_before_gate``, the default when the
+norm is on) and the grouped RMSNorm after the gate.
 """
 
 from __future__ import annotations
@@ -39,9 +42,17 @@ CONFIG: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
-    return build("falcon_h1", CONFIG, tmp_path_factory.mktemp("falcon_h1"))
+VARIANTS: dict[str, dict[str, Any]] = {
+    "no_norm": {},
+    "norm_then_gate": {"mamba_rms_norm": True},
+    "gate_then_norm": {"mamba_rms_norm": True, "mamba_norm_before_gate": False},
+}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    config = {**CONFIG, **VARIANTS[request.param]}
+    return build("falcon_h1", config, tmp_path_factory.mktemp(f"falcon_h1_{request.param}"))
 
 
 def test_prefill_matches_full_forward(tiny: tuple[Any, Any]) -> None:
