@@ -13,3 +13,14 @@ Packages, bottom to top (imports only point down this list):
 """
 
 __version__ = "0.1.0"
+
+_ENGINE_NAMES = ("LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput")
+
+
+def __getattr__(name: str) -> object:
+    """``from hybridkv import LLM`` without importing torch for users of the core alone."""
+    if name in _ENGINE_NAMES:
+        from hybridkv import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'hybridkv' has no attribute {name!r}")

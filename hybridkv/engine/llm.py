@@ -1,0 +1,142 @@
+"""LLM: the offline API, shaped like vLLM's so user code moves over unchanged.
+
+llm = LLM(model="path/to/checkpoint", max_model_len=4096, cache_memory_gib=2.0)
+outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
+llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0))
+llm.stats()
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.progress import Progress
+
+from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.llm_engine import LLMEngine, PromptType
+from hybridkv.engine.outputs import RequestOutput
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.models.tokenizer import Tokenizer
+
+Message = Mapping[str, Any]
+
+
+def _is_single_prompt(prompts: object) -> bool:
+    """A str, a dict, or a flat list of ints is one prompt; a list of those is a batch."""
+    if isinstance(prompts, str | Mapping):
+        return True
+    return isinstance(prompts, Sequence) and bool(prompts) and isinstance(prompts[0], int)
+
+
+class LLM:
+    """Offline generation with continuous batching and hybrid prefix caching.
+
+    Keyword options are :class:`EngineConfig`'s (max_model_len, max_num_seqs,
+    max_num_batched_tokens, cache_memory_gib, block_size, enable_prefix_caching, dtype,
+    device, eviction, checkpoint_interval, retention_interval, seed).
+    """
+
+    def __init__(self, model: str, **options: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=str(model), **options))
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run the prompts to completion; outputs in the order of ``prompts``.
+
+        Raises:
+            ValueError: a bad prompt or parameter (nothing is queued then).
+        """
+        batch: list[PromptType] = [prompts] if _is_single_prompt(prompts) else list(prompts)  # type: ignore[list-item,arg-type]
+        if isinstance(sampling_params, Sequence):
+            params = list(sampling_params)
+            if len(params) != len(batch):
+                raise ValueError(
+                    f"{len(params)} sampling params for {len(batch)} prompts: give one or one each"
+                )
+        else:
+            params = [sampling_params or SamplingParams()] * len(batch)
+        for prompt in batch:  # validate everything before queueing anything
+            self.engine.encode_prompt(prompt)
+        ids = [f"{next(self._ids)}" for _ in batch]
+        for request_id, prompt, p in zip(ids, batch, params, strict=True):
+            self.engine.add_request(request_id, prompt, p)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (the model's chat template).
+
+        Raises:
+            ValueError: no tokenizer or chat template, or a malformed message.
+        """
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot chat")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            prompts.append(
+                {
+                    "prompt_token_ids": render_chat(
+                        tokenizer, conversation, add_generation_prompt, chat_template_kwargs
+                    )
+                }
+            )  # type: ignore[arg-type]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with Progress(disable=not use_tqdm, transient=True) as progress:
+            task = progress.add_task("generating", total=len(ids))
+            while wanted - done.keys():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        progress.advance(task)
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[Message],
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of a conversation rendered with the checkpoint's chat template.
+
+    Raises:
+        ValueError: a message is not {"role": str, "content": str}, or no chat template.
+    """
+    for i, m in enumerate(messages):
+        if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+            raise ValueError(f"message {i} must be a dict with a string 'role'")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"message {i} must have string 'content'")
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, **dict(chat_template_kwargs or {})
+    )
+    assert isinstance(text, str)
+    # The template writes the special tokens itself (BOS included): do not add them twice.
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,60 @@
+"""A sequence the scheduler runs: one completion of one prompt.
+
+A prompt with ``n`` completions becomes ``n`` sequences (ids ``"<request id>"`` for n = 1,
+``"<request id>#<i>"`` otherwise) that the scheduler treats independently; the shared
+prompt is found in the prefix cache by whichever runs second. Pure Python, like the core:
+the scheduler is model-free.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from hybridkv.core.groups.base import ReqId
+from hybridkv.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # not admitted, or preempted and waiting to be recomputed
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token state of one completion; ``num_computed`` tokens are in the cache."""
+
+    seq_id: ReqId
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_order: int
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the first admission found cached
+    admitted_once: bool = False
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    # Detokenized text (stop strings are matched on it) and per-token logprobs.
+    text: str = ""
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, object]] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

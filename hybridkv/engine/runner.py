@@ -1,0 +1,108 @@
+"""ModelRunner: the arena, the ForwardBatch of a step, and the state page copies.
+
+The runner owns the one flat uint8 arena the CacheManager's layout describes, and turns a
+scheduled step into the model's input: token ids and positions of every chunk, each
+attention group's page table and each recurrent group's live state page. State snapshots
+are whole-page byte copies on the arena: restores (snapshot -> the request's fresh live
+page) before the forward, snapshots (live page -> snapshot page) after it, so a snapshot
+holds the state after exactly the chunk's last token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+from hybridkv.core.layout import ArenaLayout
+from hybridkv.core.manager import CacheManager, StateCopy
+from hybridkv.core.pool import NULL_PAGE
+from hybridkv.core.spec import ModelSpec
+from hybridkv.engine.scheduler import ScheduledChunk
+from hybridkv.models.base import CausalLM
+from hybridkv.models.batch import ForwardBatch
+from hybridkv.models.cache import CacheViews
+
+
+class ModelRunner:
+    """Runs one scheduled step of the model over the paged arena."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        spec: ModelSpec,
+        layout: ArenaLayout,
+        device: torch.device,
+        *,
+        poison_arena: bool = False,
+    ) -> None:
+        """``poison_arena`` fills the arena with 0xFF (NaN in every float dtype), so that a
+        read of a slot nobody wrote shows up in the logits; tests use it. Otherwise the arena
+        is left uninitialised, like GPU memory, and untouched pages cost no host memory."""
+        self.model = model
+        self.spec = spec
+        self.layout = layout
+        self.device = device
+        if poison_arena:
+            arena = torch.full((layout.total_bytes,), 0xFF, dtype=torch.uint8, device=device)
+        else:
+            arena = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+        self.views = CacheViews(spec, layout, arena)
+        self.num_page_copies = 0
+
+    @property
+    def arena(self) -> Tensor:
+        return self.views.arena
+
+    def copy_pages(self, copies: Iterable[StateCopy]) -> None:
+        """Byte-copy whole state pages; ``page_id * page_bytes`` is where a page starts."""
+        for copy in copies:
+            size = self.layout.pages[copy.group_id].page_bytes
+            src, dst = copy.src_page * size, copy.dst_page * size
+            self.arena[dst : dst + size].copy_(self.arena[src : src + size])
+            self.num_page_copies += 1
+
+    def build_batch(self, chunks: list[ScheduledChunk], manager: CacheManager) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        starts = [0]
+        computed: list[int] = []
+        for chunk in chunks:
+            ids += chunk.token_ids
+            positions += range(chunk.start, chunk.end)
+            starts.append(len(ids))
+            computed.append(chunk.start)
+        tables: dict[int, Tensor] = {}
+        states: dict[int, Tensor] = {}
+        for group in self.spec.groups:
+            gid = group.group_id
+            if group.is_recurrent:
+                pages = [manager.live_page(c.seq.seq_id, gid) for c in chunks]
+                states[gid] = torch.tensor(pages, dtype=torch.int64, device=self.device)
+                continue
+            rows = [manager.block_table(c.seq.seq_id, gid) for c in chunks]
+            width = max(len(r) for r in rows)
+            padded = [list(r) + [NULL_PAGE] * (width - len(r)) for r in rows]
+            tables[gid] = torch.tensor(padded, dtype=torch.int64, device=self.device)
+
+        def tensor(values: list[int]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+        return ForwardBatch(
+            input_ids=tensor(ids),
+            positions=tensor(positions),
+            query_start_loc=tensor(starts),
+            num_computed_tokens=tensor(computed),
+            block_tables=tables,
+            state_pages=states,
+        )
+
+    @torch.no_grad()
+    def execute(self, chunks: list[ScheduledChunk], manager: CacheManager) -> Tensor:
+        """Run the step: [len(chunks), vocab] fp32 logits at each chunk's last token."""
+        self.copy_pages(c for chunk in chunks for c in chunk.allocation.restores)
+        batch = self.build_batch(chunks, manager)
+        logits = self.model(batch, self.views)
+        self.copy_pages(c for chunk in chunks for c in chunk.allocation.snapshots)
+        return logits.float()

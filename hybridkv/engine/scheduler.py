@@ -1,0 +1,184 @@
+"""Continuous batching over the CacheManager: which sequences run this step, and how far.
+
+One step (the shape of vLLM v1 and nano-vllm)::
+
+    running first, oldest first     a decode token or the next prefill chunk, cut by the
+                                    step's token budget and by ``CacheManager.next_split``
+                                    so that a chunk ends where a state snapshot is due;
+                                    when ``allocate`` fails the NEWEST running sequence is
+                                    preempted (freed: its hashed pages stay in the prefix
+                                    cache, it is recomputed later) until the allocation fits
+    then waiting, in arrival order  the prefix hit first (KV pages and a state snapshot at
+                                    exactly the same length), then as much of the rest as
+                                    the budget allows; stops at the first one that does not
+                                    fit (FCFS), so a long prompt is never starved
+
+Admission allocates the sequence's live state page up front, so a sequence is only ever
+admitted when its state fits, and running sequences make progress or are preempted: the
+loop cannot deadlock. A sequence that does not fit even with nothing else running is
+rejected (the engine checks at start-up that one max_model_len sequence fits, so this is
+a safety net, not a normal path).
+
+Pure Python (no torch): the engine adds the model, the sampler and the stop rules.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hybridkv.core.groups.base import ReqId
+from hybridkv.core.manager import Allocation, CacheManager
+from hybridkv.engine.request import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    """``num_tokens`` tokens of ``seq`` starting at ``start`` run in this step."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    allocation: Allocation
+    samples: bool  # the chunk reaches the end of the known tokens: sample the next one
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.seq.all_token_ids[self.start : self.end]
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    rejected: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    """Waiting and running sequences over one :class:`CacheManager`."""
+
+    def __init__(
+        self, manager: CacheManager, *, max_num_seqs: int, max_num_batched_tokens: int
+    ) -> None:
+        self.manager = manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ membership
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """End a sequence (done or aborted) and release its pages to the prefix cache."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.manager.free(seq.seq_id)
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this step
+                continue
+            chunk = self._schedule_running(seq, budget, out)
+            if chunk is not None:
+                out.chunks.append(chunk)
+                budget -= chunk.num_tokens
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            chunk = self._admit(self.waiting[0], budget, busy=bool(out.chunks), out=out)
+            if chunk is None:
+                break
+            out.chunks.append(chunk)
+            budget -= chunk.num_tokens
+        return out
+
+    def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
+        end = start + min(seq.num_tokens - start, budget)
+        return self.manager.next_split(seq.seq_id, start, end)
+
+    def _schedule_running(
+        self, seq: Sequence, budget: int, out: SchedulerOutput
+    ) -> ScheduledChunk | None:
+        start = seq.num_computed
+        end = self._chunk_end(seq, start, budget)
+        while True:
+            alloc = self.manager.allocate(seq.seq_id, end - start)
+            if alloc is not None:
+                return ScheduledChunk(seq, start, end - start, alloc, end == seq.num_tokens)
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is seq:
+                return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.manager.free(seq.seq_id)
+        self.running.remove(seq)
+        seq.num_computed = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _admit(
+        self, seq: Sequence, budget: int, *, busy: bool, out: SchedulerOutput
+    ) -> ScheduledChunk | None:
+        rid: ReqId = seq.seq_id
+        self.manager.add_request(rid, seq.all_token_ids)
+        hit = self.manager.find_hit(rid)
+        start = hit.num_tokens
+        end = self._chunk_end(seq, start, budget)
+        alloc = self.manager.allocate(rid, end - start, hit)
+        if alloc is None:
+            self.manager.free(rid)
+            if not busy and not self.running:  # alone and still too big: it never will fit
+                self.waiting.popleft()
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_reason = "abort"
+                out.rejected.append(seq)
+            return None
+        self.waiting.popleft()
+        self.running.append(seq)
+        seq.status = SequenceStatus.RUNNING
+        num_new = end - start
+        start = self.manager.num_computed_tokens(rid)  # the hit as re-checked by allocate
+        seq.num_computed = start
+        if not seq.admitted_once:
+            seq.admitted_once = True
+            seq.num_cached_tokens = self.manager.num_cached_tokens(rid)
+        return ScheduledChunk(seq, start, num_new, alloc, start + num_new == seq.num_tokens)
+
+    # ------------------------------------------------------------------ after the step
+
+    def advance(self, chunk: ScheduledChunk, new_token: int | None) -> None:
+        """Record that ``chunk`` ran; ``new_token`` was sampled after it (if it samples)."""
+        seq = chunk.seq
+        seq.num_computed = chunk.end
+        new = [new_token] if new_token is not None else []
+        seq.output_token_ids.extend(new)
+        self.manager.commit(seq.seq_id, chunk.end, new)

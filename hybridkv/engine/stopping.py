@@ -1,0 +1,69 @@
+"""Detokenize a sequence's output as it grows and decide when it stops.
+
+Order of the checks after each sampled token (vLLM's): a stop token id, EOS (unless
+``ignore_eos``), a stop string in the new text, then the length limits. A matched stop
+string is cut from the text (kept with ``include_stop_str_in_output``); a stop token id
+stays in ``token_ids``. While a sequence runs, a trailing U+FFFD (half of a multi-byte
+character split across tokens) is held back, so streamed text only ever grows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from hybridkv.engine.request import Sequence
+from hybridkv.models.tokenizer import Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def decode_output(seq: Sequence, tokenizer: Tokenizer | None) -> str:
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(
+        seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens
+    )
+
+
+def find_stop_string(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` that ends after ``search_from``."""
+    best: tuple[int, str] | None = None
+    for stop in stops:
+        at = text.find(stop, max(0, search_from - len(stop) + 1))
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, stop)
+    return best
+
+
+def update_and_check(
+    seq: Sequence,
+    token: int,
+    *,
+    tokenizer: Tokenizer | None,
+    eos_token_ids: Collection[int],
+    max_model_len: int,
+) -> tuple[str, int | str | None] | None:
+    """Refresh ``seq.text`` after ``token`` was appended; (finish_reason, stop_reason) or None."""
+    params = seq.params
+    previous = len(seq.text)
+    full = decode_output(seq, tokenizer)
+    if params.stop_token_ids and token in params.stop_token_ids:
+        seq.text = full
+        return "stop", token
+    if not params.ignore_eos and token in eos_token_ids:
+        seq.text = full
+        return "stop", None
+    if params.stop_strings:
+        found = find_stop_string(full, params.stop_strings, previous)
+        if found is not None:
+            at, stop = found
+            seq.text = full[: at + len(stop)] if params.include_stop_str_in_output else full[:at]
+            return "stop", stop
+    if params.max_tokens is not None and seq.num_outputs >= params.max_tokens:
+        seq.text = full
+        return "length", None
+    if seq.num_tokens >= max_model_len:
+        seq.text = full
+        return "length", None
+    seq.text = full.rstrip(REPLACEMENT_CHAR)
+    return None
