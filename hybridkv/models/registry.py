@@ -7,7 +7,7 @@ from hybridkv.models.base import CausalLM
 from hybridkv.models.falcon_h1 import FalconH1ForCausalLM
 from hybridkv.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from hybridkv.models.jamba import JambaForCausalLM
-from hybridkv.models.lfm2 import Lfm2ForCausalLM
+from hybridkv.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from hybridkv.models.nemotron_h import NemotronHForCausalLM
 from hybridkv.models.qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 from hybridkv.models.qwen3_next import Qwen3NextForCausalLM
@@ -19,6 +19,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3_5_moe": Qwen35MoeForCausalLM,
     "qwen3_5_moe_text": Qwen35MoeForCausalLM,
     "lfm2": Lfm2ForCausalLM,
+    "lfm2_moe": Lfm2MoeForCausalLM,
     "jamba": JambaForCausalLM,
     "falcon_h1": FalconH1ForCausalLM,
     "bamba": BambaForCausalLM,
