@@ -102,9 +102,13 @@ def hf_logits(model: Any, ids: list[int]) -> torch.Tensor:
 
 def hf_greedy(model: Any, ids: list[int], num_tokens: int) -> tuple[list[int], torch.Tensor]:
     """transformers' greedy generate: (new tokens, [num_tokens, vocab] logits), EOS off."""
+    # An explicit all-ones mask: without one, generate masks every token equal to
+    # pad_token_id (0 here) as padding, and a prompt containing byte 0 goes wrong.
+    input_ids = torch.tensor([ids])
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([ids]),
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
             max_new_tokens=num_tokens,
             min_new_tokens=num_tokens,
             do_sample=False,
