@@ -1,0 +1,121 @@
+"""The FastAPI app: OpenAI routes over one engine, health, metrics, auth, limits.
+
+Authentication: with ``api_key`` set, every ``/v1/*`` route needs ``Authorization: Bearer
+<key>`` (else 401). ``/health`` and ``/metrics`` stay open, as in vLLM: load balancers and
+Prometheus scrapers probe them without credentials, and they reveal no prompts or outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from hybridkv.engine.llm_engine import LLMEngine
+from hybridkv.server.async_engine import AsyncEngine
+from hybridkv.server.chat import create_chat_completion
+from hybridkv.server.completions import create_completion
+from hybridkv.server.errors import APIError, install_error_handlers
+from hybridkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    dump,
+)
+from hybridkv.server.serving import ServingContext, now_s
+
+
+def _auth_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
+    """A route dependency: 401 unless the bearer token matches (constant-time compare)."""
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def check(request: Request) -> None:
+        if expected is None:
+            return
+        given = request.headers.get("authorization", "").encode()
+        if not secrets.compare_digest(given, expected):
+            raise APIError(
+                "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                status=401,
+                code="invalid_api_key",
+            )
+
+    return check
+
+
+def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
+    created = now_s()
+
+    @router.get("/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=ctx.model_name, created=created, max_model_len=ctx.max_model_len)
+        return JSONResponse(dump(ModelList(data=[card])))
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(ctx, body, request)
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(ctx, body, request)
+
+    return router
+
+
+def create_app(
+    engine: LLMEngine | AsyncEngine,
+    served_model_name: str,
+    api_key: str | None = None,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """An app serving ``engine`` under ``served_model_name``.
+
+    The engine's step thread starts with the app (ASGI lifespan) and stops with it, so the
+    app must run under a server that sends lifespan events (uvicorn does).
+
+    Args:
+        engine: the engine, or an :class:`AsyncEngine` already wrapping one.
+        served_model_name: the only ``model`` value requests may name (else 404).
+        api_key: if set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
+        max_body_bytes: larger request bodies get a 413.
+    """
+    front = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
+    metrics = ServerMetrics()
+    ctx = ServingContext(engine=front, model_name=served_model_name, metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        front.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            front.shutdown()
+
+    app = FastAPI(title="hybridkv", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.include_router(_v1_router(ctx, api_key))
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not front.is_running:
+            raise APIError("the engine is not running", status=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics_route() -> Response:
+        stats = await asyncio.to_thread(front.stats)  # waits for the step in flight
+        return Response(metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    return app

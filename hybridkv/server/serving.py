@@ -1,0 +1,337 @@
+"""What both endpoints share: request -> SamplingParams, limits, the output stream, deltas.
+
+The endpoint modules (:mod:`completions`, :mod:`chat`) only turn a prompt into token ids
+and outputs into their response shapes; validation that needs the engine (vocabulary,
+``max_model_len``) and the run itself live here so both endpoints refuse the same inputs
+with the same messages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+
+from hybridkv.engine.outputs import Logprob, RequestOutput
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from hybridkv.server.errors import APIError, error_body
+from hybridkv.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from hybridkv.server.protocol import SamplingFields
+
+T = TypeVar("T")
+_SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__ if not f.startswith("_")}
+
+
+@dataclass
+class ServingContext:
+    """What a handler needs: the engine front, the served name, the metrics to record."""
+
+    engine: AsyncEngine
+    model_name: str
+    metrics: ServerMetrics
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.max_model_len
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise APIError(
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def refuse_unsupported(req: SamplingFields) -> None:
+    """OpenAI fields this engine cannot honour: a 400 unless they are at their no-op value."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0, 0.0):
+            raise APIError(f"{name} is not supported by this server (use 0)", param=name)
+    if req.logit_bias:
+        raise APIError("logit_bias is not supported by this server", param="logit_bias")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError("best_of is not supported by this server (use n)", param="best_of")
+
+
+def sampling_params(
+    req: SamplingFields, max_tokens: int | None, logprobs: int | None
+) -> SamplingParams:
+    """The engine's SamplingParams; its ValueError (it names the field) becomes a 400."""
+    try:
+        return SamplingParams(
+            n=req.n,
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            min_p=req.min_p,
+            seed=req.seed,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            logprobs=logprobs,
+        )
+    except ValueError as exc:
+        first = str(exc).split(" ", 1)[0]
+        raise APIError(str(exc), param=first if first in _SAMPLING_FIELDS else None) from exc
+
+
+def check_length(
+    ctx: ServingContext, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str
+) -> None:
+    """A 400 when prompt + max_tokens cannot fit in max_model_len (OpenAI's wording)."""
+    limit = ctx.max_model_len
+    if num_prompt_tokens >= limit:
+        raise APIError(
+            f"this model's maximum context length is {limit} tokens, but the prompt has "
+            f"{num_prompt_tokens} tokens: no room left to generate",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+        raise APIError(
+            f"this model's maximum context length is {limit} tokens, but "
+            f"{num_prompt_tokens + max_tokens} were requested ({num_prompt_tokens} in the "
+            f"prompt, {max_tokens} to generate); lower max_tokens or the prompt",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+
+
+async def encode_in_thread(ctx: ServingContext, prompt: Any) -> list[int]:
+    """Token ids of a prompt, tokenized off the event loop (a 4 MiB prompt takes a while)."""
+    try:
+        _, ids = await asyncio.to_thread(ctx.engine.engine.encode_prompt, prompt)
+    except ValueError as exc:
+        raise APIError(str(exc), param="prompt") from exc
+    return ids
+
+
+def open_stream(
+    ctx: ServingContext, request_id: str, prompt_ids: list[int], params: SamplingParams
+) -> RequestStream:
+    """Queue the request now; the engine's refusal (a ValueError) becomes a 400."""
+    try:
+        return ctx.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+    except ValueError as exc:
+        raise APIError(str(exc)) from exc
+    except EngineDeadError as exc:
+        raise APIError(str(exc), status=503) from exc
+
+
+async def observed(ctx: ServingContext, stream: RequestStream) -> AsyncIterator[RequestOutput]:
+    """The stream's outputs, recording time to first token once; closes the stream at exit."""
+    seen_token = False
+    try:
+        async for out in stream:
+            if not seen_token and out.metrics and out.metrics.time_to_first_token is not None:
+                seen_token = True
+                ctx.metrics.observe_ttft(out.metrics.time_to_first_token)
+            yield out
+    finally:
+        stream.close()
+
+
+async def last_output(ctx: ServingContext, stream: RequestStream) -> RequestOutput:
+    """The final output (non-streaming requests); a cancelled wait aborts the request."""
+    out: RequestOutput | None = None
+    try:
+        async for latest in observed(ctx, stream):
+            out = latest
+    finally:
+        stream.close()
+    assert out is not None
+    return out
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """Run ``work`` but cancel it when the client goes away (None then).
+
+    Non-streaming handlers are not cancelled by Starlette on disconnect; without this, a
+    client that gave up would keep its request generating (and holding pages) to the end.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return None
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---------------------------------------------------------------------------- deltas
+
+
+class ChoiceDelta(NamedTuple):
+    """What one completion added since the last chunk."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]]
+    first_token_offset: int  # tokens of this completion sent before this delta
+    text_offset: int  # characters of this completion sent before this delta
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+@dataclass
+class DeltaTracker:
+    """Turns cumulative outputs into per-choice increments for streaming.
+
+    While a stop string could still match, its possible start is held back (the last
+    ``len(longest stop) - 1`` characters), so text a client received is never cut later.
+    """
+
+    holdback_chars: int
+    sent_chars: dict[int, int] = field(default_factory=dict)
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+
+    @classmethod
+    def for_params(cls, params: SamplingParams) -> DeltaTracker:
+        longest = max((len(s) for s in params.stop_strings), default=0)
+        return cls(holdback_chars=max(0, longest - 1))
+
+    def advance(self, out: RequestOutput) -> list[ChoiceDelta]:
+        deltas = []
+        for comp in out.outputs:
+            if comp.index in self.done:
+                continue
+            chars = self.sent_chars.get(comp.index, 0)
+            tokens = self.sent_tokens.get(comp.index, 0)
+            visible = len(comp.text) if comp.finished else len(comp.text) - self.holdback_chars
+            text = comp.text[chars:visible] if visible > chars else ""
+            new_ids = comp.token_ids[tokens:]
+            if not text and not new_ids and not comp.finished:
+                continue
+            logprobs = list(comp.logprobs[tokens:]) if comp.logprobs is not None else []
+            deltas.append(
+                ChoiceDelta(
+                    comp.index,
+                    text,
+                    new_ids,
+                    logprobs,
+                    tokens,
+                    chars,
+                    comp.finish_reason,
+                    comp.stop_reason,
+                )
+            )
+            self.sent_chars[comp.index] = chars + len(text)
+            self.sent_tokens[comp.index] = len(comp.token_ids)
+            if comp.finished:
+                self.done.add(comp.index)
+        return deltas
+
+
+def usage(out: RequestOutput) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens is the prefix-cache hit of the prompt."""
+    prompt = len(out.prompt_token_ids)
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+    }
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {payload}\n\n"
+
+
+def engine_failure(out: RequestOutput) -> APIError | None:
+    """The engine gave up on the request (it cannot fit, or a step failed)."""
+    if out.error is None:
+        return None
+    return APIError(out.error, status=500 if "failed" in out.error else 400)
+
+
+ChunkMaker = Callable[[list[ChoiceDelta]], dict[str, Any] | None]
+
+
+async def sse_events(
+    ctx: ServingContext,
+    stream: RequestStream,
+    params: SamplingParams,
+    make_chunk: ChunkMaker,
+    usage_chunk: Callable[[RequestOutput], dict[str, Any]] | None,
+) -> AsyncIterator[str]:
+    """Server-sent events of one request: chunks, an optional usage chunk, ``[DONE]``.
+
+    A failure after the stream started cannot change the 200 status any more, so it is
+    sent as an OpenAI error object in a ``data:`` line (what vLLM does), then ``[DONE]``.
+    """
+    tracker = DeltaTracker.for_params(params)
+    out: RequestOutput | None = None
+    failure: APIError | None = None
+    try:
+        async for out in observed(ctx, stream):
+            failure = engine_failure(out)
+            if failure is not None:
+                break
+            chunk = make_chunk(deltas) if (deltas := tracker.advance(out)) else None
+            if chunk is not None:
+                yield sse(chunk)
+    except EngineDeadError as exc:
+        failure = APIError(str(exc), status=500)
+    finally:
+        stream.close()
+    if failure is not None:
+        yield sse(error_body(failure.message, failure.status, failure.param, failure.code))
+    elif out is not None and usage_chunk is not None:
+        yield sse(usage_chunk(out))
+    yield "data: [DONE]\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its body iterator.
+
+    Starlette cancels the response when the client disconnects; if that happens while a
+    chunk is being sent, the generator sits at its ``yield`` and its ``finally`` (the
+    abort that frees the request's pages) would wait for garbage collection. Closing it
+    here makes the abort immediate.
+    """
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
