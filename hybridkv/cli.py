@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 
 from hybridkv.plan_cli import add_plan_parser
+from hybridkv.serve_cli import add_serve_parser
 from hybridkv.sim_cli import add_simulate_parser
 
 Command = Callable[[argparse.Namespace], int]
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_plan_parser(commands)
     add_simulate_parser(commands)
+    add_serve_parser(commands)
     return parser
 
 
