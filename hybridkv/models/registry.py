@@ -11,6 +11,7 @@ from hybridkv.models.lfm2 import Lfm2ForCausalLM, Lfm2MoeForCausalLM
 from hybridkv.models.nemotron_h import NemotronHForCausalLM
 from hybridkv.models.qwen3_5 import Qwen35ForCausalLM, Qwen35MoeForCausalLM
 from hybridkv.models.qwen3_next import Qwen3NextForCausalLM
+from hybridkv.models.zamba2 import Zamba2ForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "qwen3_next": Qwen3NextForCausalLM,
@@ -25,6 +26,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "bamba": BambaForCausalLM,
     "nemotron_h": NemotronHForCausalLM,
     "granitemoehybrid": GraniteMoeHybridForCausalLM,
+    "zamba2": Zamba2ForCausalLM,
 }
 
 
