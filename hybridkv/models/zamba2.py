@@ -148,7 +148,9 @@ class Zamba2SharedTransformer(nn.Module):
         if leftover:
             raise AssertionError(f"unshared modules left on the meta device: {leftover}")
 
-    def forward(self, x: Tensor, embeddings: Tensor, batch: ForwardBatch, views: CacheViews):
+    def forward(
+        self, x: Tensor, embeddings: Tensor, batch: ForwardBatch, views: CacheViews
+    ) -> Tensor:
         h = self.input_layernorm(torch.cat([x, embeddings], dim=-1))  # [T, 2H]
         h = self.self_attn(h, batch, views)  # [T, H]
         return self.feed_forward(self.pre_ff_layernorm(h))
@@ -184,7 +186,9 @@ class Zamba2HybridLayer(nn.Module):
         self.linear = nn.Linear(hidden, hidden, bias=False)
         self.mamba_decoder = mamba
 
-    def forward(self, x: Tensor, embeddings: Tensor, batch: ForwardBatch, views: CacheViews):
+    def forward(
+        self, x: Tensor, embeddings: Tensor, batch: ForwardBatch, views: CacheViews
+    ) -> Tensor:
         t = self.linear(self.shared_transformer(x, embeddings, batch, views))  # [T, H]
         return self.mamba_decoder(x, embeddings, batch, views, transformer_out=t)
 
