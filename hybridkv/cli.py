@@ -6,6 +6,9 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 
+from hybridkv.bench_cli import add_bench_parser
+from hybridkv.demo_cli import add_demo_parser
+from hybridkv.generate_cli import add_generate_parser
 from hybridkv.plan_cli import add_plan_parser
 from hybridkv.serve_cli import add_serve_parser
 from hybridkv.sim_cli import add_simulate_parser
@@ -26,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_parser(commands)
     add_simulate_parser(commands)
     add_serve_parser(commands)
+    add_generate_parser(commands)
+    add_bench_parser(commands)
+    add_demo_parser(commands)
     return parser
 
 
