@@ -26,10 +26,23 @@ class CheckpointPolicy:
     at_prompt_end: bool = True
     at_sequence_end: bool = True
     retention_interval_tokens: int | None = None
+    # sequence-end snapshots only on multiples of this (None: every block boundary)
+    decode_interval_tokens: int | None = None
+    # a request holds only its newest snapshot; superseded ones that retention keeps are
+    # released to the cache (ref 0, evictable) instead of pinned until the request ends
+    release_superseded: bool = True
+    # the newest snapshot's page is rewritten in place at the next checkpoint when
+    # retention would drop it anyway (no new page, no eviction per decode boundary)
+    reuse_superseded_page: bool = True
+    # released superseded snapshots go to the front of the eviction queue
+    demote_superseded: bool = True
+    # the snapshot a request resumed from is released (and demoted) once its restore ran
+    # if it covers sampled tokens (a previous turn's end); prompt snapshots stay held
+    release_generated_hit: bool = True
 
     def validate(self, block_tokens: int) -> None:
         """Raises ValueError for intervals that are not positive multiples of the block."""
-        for name in ("interval_tokens", "retention_interval_tokens"):
+        for name in ("interval_tokens", "retention_interval_tokens", "decode_interval_tokens"):
             value = getattr(self, name)
             if value is not None and (value <= 0 or value % block_tokens):
                 raise ValueError(
@@ -49,7 +62,9 @@ class CheckpointPolicy:
             return True
         if self.at_prompt_end and position == self.prompt_end(prompt_len, block_tokens):
             return True
-        return self.at_sequence_end and position >= prompt_len
+        if not (self.at_sequence_end and position >= prompt_len):
+            return False
+        return not self.decode_interval_tokens or position % self.decode_interval_tokens == 0
 
     def next_prefill_checkpoint(
         self, start: int, end: int, prompt_len: int, block_tokens: int

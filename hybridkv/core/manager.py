@@ -216,9 +216,15 @@ class CacheManager:
         if not policy.is_checkpoint(total, req.prompt_len, self.block_tokens):
             return ()
         copies: list[StateCopy] = []
+        reusable = None
+        if policy.reuse_superseded_page:
+
+            def reusable(position: int) -> bool:
+                return not policy.keep(position, req.prompt_len, self.block_tokens)
+
         self.allocator.begin()
         for group in self.recurrent:
-            page = group.reserve_snapshot(req_id, total)
+            page = group.reserve_snapshot(req_id, total, reusable, total > req.prompt_len)
             if page is None:  # all groups or none: a partial snapshot is useless
                 for g in self.recurrent:
                     g.cancel_snapshot(req_id)
@@ -248,7 +254,13 @@ class CacheManager:
         for group in self.groups:
             group.cache(req_id, req.hashes, num_computed)
             if isinstance(group, RecurrentGroup):
-                group.apply_retention(req_id, keep)
+                group.apply_retention(
+                    req_id,
+                    keep,
+                    policy.release_superseded,
+                    policy.demote_superseded,
+                    policy.release_generated_hit,
+                )
             elif isinstance(group, SlidingWindowGroup):
                 group.remove_skipped(req_id, num_computed)
 

@@ -58,6 +58,7 @@ class PagePool:
         # ref 0 + hashed, oldest first; the value orders the queue when evictions are undone
         self._cached: OrderedDict[PageId, int] = OrderedDict()
         self._queue_seq = 0
+        self._front_seq = 0  # decreasing: the queue places of demoted pages
         self._free: dict[int, list[PageId]] = {}  # chunk → free uncached pages
         self._buckets: list[set[int]] = [set() for _ in range(max(self._ppc, 1) + 1)]
         self._referenced: dict[int, int] = {}  # chunk → pages with ref > 0
@@ -148,8 +149,12 @@ class PagePool:
             self._cached.pop(page, None)
         self._reference(page, now)
 
-    def release(self, page: PageId, now: int) -> None:
-        """Drop a reference; at zero the page becomes cached (if hashed) or free."""
+    def release(self, page: PageId, now: int, demote: bool = False) -> None:
+        """Drop a reference; at zero the page becomes cached (if hashed) or free.
+
+        ``demote``: a cached page goes to the front of the eviction queue with the
+        last-use time it had (a superseded snapshot: worth less than anything recent).
+        """
         ref = self._ref[page] - 1
         assert ref >= 0, f"group {self.group_id}: page {page} released more than taken"
         self._ref[page] = ref
@@ -157,6 +162,13 @@ class PagePool:
             return
         chunk = self.chunk_of(page)
         self._referenced[chunk] -= 1
+        if page in self._hash and demote:
+            used = self.last_used[page]
+            self._newest_use[chunk] = max(self._newest_use.get(chunk, 0), used)
+            self._front_seq -= 1
+            self._cached[page] = self._front_seq
+            self._cached.move_to_end(page, last=False)
+            return
         self.last_used[page] = now
         self._newest_use[chunk] = max(self._newest_use.get(chunk, 0), now)
         if page in self._hash:

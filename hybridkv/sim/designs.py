@@ -6,8 +6,9 @@ the same hashing and the same trace (docs/simulator.md says what each one leaves
 
     hybridkv                natural page sizes (block 16), shared arena where chunks flow
                             between states and KV, sparse snapshots (prompt end + sequence
-                            end), cost-aware eviction (Marconi's utility)
-    hybridkv-lru            the same with LRU eviction
+                            end, a request holds only its newest), LRU eviction with
+                            superseded snapshots demoted (the core's defaults)
+    hybridkv-cost           the same with cost-aware eviction (Marconi's utility)
     unified-page            vLLM's sizing: attention blocks inflated until one layer's KV
                             page is as big as one layer's state (planner.unified_baseline),
                             prefix blocks of that size and a snapshot at every block, all kept
@@ -73,8 +74,8 @@ def _static_split(model: ModelSpec, memory_bytes: int) -> CacheConfig:
 
 
 DESIGNS: dict[str, Callable[[ModelSpec, int], CacheConfig]] = {
-    "hybridkv": _hybridkv(EvictionPolicy.COST),
-    "hybridkv-lru": _hybridkv(EvictionPolicy.LRU),
+    "hybridkv": _hybridkv(EvictionPolicy.LRU),
+    "hybridkv-cost": _hybridkv(EvictionPolicy.COST),
     "unified-page": _unified(None),
     "unified-page-retention": _unified(RETENTION_BLOCKS),
     "static-split": _static_split,

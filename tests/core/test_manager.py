@@ -21,6 +21,13 @@ from hybridkv.core.manager import StateCopy
 
 A, B, C = ReqId("a"), ReqId("b"), ReqId("c")
 ATTN, STATE = 0, 1
+# the policy before superseded snapshots were released (kept as an option)
+LEGACY = CheckpointPolicy(
+    release_superseded=False,
+    reuse_superseded_page=False,
+    demote_superseded=False,
+    release_generated_hit=False,
+)
 
 
 @pytest.mark.parametrize(
@@ -33,7 +40,7 @@ def test_prompt_end_snapshot_at_floor_of_prompt_minus_one(prompt_len: int, promp
     allocs = prefill(mgr, "a", prompt_len)
     snapshot_page = allocs[0].snapshots[0].dst_page
     assert allocs[0].snapshots == (StateCopy(STATE, mgr.live_page(A, STATE), snapshot_page),)
-    assert prompt_end in snapshot_positions(mgr, "a")
+    assert prompt_end in cached_snapshot_positions(mgr, tokens(prompt_len))
     mgr.free(A)
     mgr.add_request(B, tokens(prompt_len))  # the same prompt again
     assert mgr.find_hit(B).num_tokens == prompt_end
@@ -55,7 +62,8 @@ def test_hit_is_the_snapshot_not_the_longest_kv_prefix() -> None:
     mgr = make_manager(num_chunks=8)
     mgr.add_request(A, tokens(20))
     prefill(mgr, "a", 20)  # snapshots at 16 (prompt end) and 20 (the whole prompt)
-    assert snapshot_positions(mgr, "a") == [16, 20]
+    assert cached_snapshot_positions(mgr, tokens(20)) == [16, 20]
+    assert snapshot_positions(mgr, "a") == [20]  # 16 was released to the cache
     mgr.free(A)
     mgr.add_request(B, tokens(18) + tokens(12, start=900))  # shares 18 tokens with a
     assert mgr.find_hit(B).num_tokens == 16  # KV covers 16 too; the next snapshot is 20
@@ -90,12 +98,22 @@ def test_decode_keeps_only_the_latest_boundary_snapshot_and_the_prompt_end() -> 
     prefill(mgr, "a", 6, sampled=100)
     assert snapshot_positions(mgr, "a") == [4]
     decode(mgr, "a", tokens(2, start=101))  # computes positions 6 and 7
-    assert snapshot_positions(mgr, "a") == [4, 8]
+    assert snapshot_positions(mgr, "a") == [8]  # the request holds only its newest
     decode(mgr, "a", tokens(20, start=103))  # up to 28 tokens computed
     assert mgr.num_computed_tokens(A) == 28
-    assert snapshot_positions(mgr, "a") == [4, 28]
+    assert snapshot_positions(mgr, "a") == [28]
     seq = tokens(6) + tokens(23, start=100)
     assert cached_snapshot_positions(mgr, seq) == [4, 28]  # dropped ones left the cache
+
+
+def test_legacy_policy_holds_superseded_snapshots_until_the_request_ends() -> None:
+    mgr = make_manager(num_chunks=16, checkpoint=LEGACY)
+    mgr.add_request(A, tokens(6))
+    prefill(mgr, "a", 6, sampled=100)
+    decode(mgr, "a", tokens(22, start=101))  # up to 28 tokens computed
+    assert snapshot_positions(mgr, "a") == [4, 28]
+    seq = tokens(6) + tokens(23, start=100)
+    assert cached_snapshot_positions(mgr, seq) == [4, 28]
 
 
 def test_retention_interval_keeps_sparse_snapshots() -> None:
@@ -104,7 +122,9 @@ def test_retention_interval_keeps_sparse_snapshots() -> None:
     mgr.add_request(A, tokens(6))
     prefill(mgr, "a", 6, sampled=100)
     decode(mgr, "a", tokens(35, start=101))  # 40 tokens computed
-    assert snapshot_positions(mgr, "a") == [4, 16, 32, 40]
+    seq = tokens(6) + tokens(36, start=100)
+    assert cached_snapshot_positions(mgr, seq) == [4, 16, 32, 40]
+    assert snapshot_positions(mgr, "a") == [40]  # 4, 16, 32 are cached, not held
 
 
 def test_interval_checkpoints_split_prefill_chunks() -> None:
@@ -118,7 +138,8 @@ def test_interval_checkpoints_split_prefill_chunks() -> None:
     assert mgr.next_split(A, 28, 30) == 30
     allocs = prefill(mgr, "a", 30)
     assert [len(a.snapshots) for a in allocs] == [1, 1, 1, 1, 0]
-    assert snapshot_positions(mgr, "a") == [8, 16, 24, 28]
+    assert cached_snapshot_positions(mgr, tokens(30)) == [8, 16, 24, 28]
+    assert snapshot_positions(mgr, "a") == [28]
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no_caching"])

@@ -182,5 +182,23 @@ TestHybridLru = machine(hybrid_model, EvictionPolicy.LRU, SPARSE).TestCase
 TestHybridCost = machine(hybrid_model, EvictionPolicy.COST, DENSE).TestCase
 TestSlidingLru = machine(sliding_hybrid_model, EvictionPolicy.LRU, DENSE).TestCase
 TestSlidingCost = machine(sliding_hybrid_model, EvictionPolicy.COST, SPARSE).TestCase
-for case in (TestHybridLru, TestHybridCost, TestSlidingLru, TestSlidingCost):
+# superseded snapshots held until the request ends, pages never reused (the old policy)
+LEGACY = CheckpointPolicy(
+    release_superseded=False,
+    reuse_superseded_page=False,
+    demote_superseded=False,
+    release_generated_hit=False,
+)
+TestHybridLegacy = machine(hybrid_model, EvictionPolicy.LRU, LEGACY).TestCase
+# decode snapshots every 2 blocks, with retention keeping every 2nd block of the prompt
+SPARSE_DECODE = CheckpointPolicy(decode_interval_tokens=8, retention_interval_tokens=8)
+TestHybridSparseDecode = machine(hybrid_model, EvictionPolicy.COST, SPARSE_DECODE).TestCase
+for case in (
+    TestHybridLru,
+    TestHybridCost,
+    TestSlidingLru,
+    TestSlidingCost,
+    TestHybridLegacy,
+    TestHybridSparseDecode,
+):
     case.settings = SETTINGS

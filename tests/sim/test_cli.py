@@ -25,7 +25,7 @@ KEYS = {
     "snapshots_taken",
     "snapshots_kept",
 }
-NAMES = ["hybridkv", "hybridkv-lru", "unified-page", "unified-page-retention", "static-split"]
+NAMES = ["hybridkv", "hybridkv-cost", "unified-page", "unified-page-retention", "static-split"]
 
 
 @pytest.fixture(scope="module")

@@ -7,11 +7,20 @@ state has no per-token history to cut back to.
 
 Life of a snapshot::
 
-    reserve_snapshot   page taken before the step (may fail: snapshots are optional)
+    reserve_snapshot   page taken before the step (may fail: snapshots are optional);
+                       with ``reuse``, the page of the request's newest snapshot when
+                       retention would drop that one anyway (rewritten in place)
     (runner copies live -> page after the forward)
     cache              page published under hash[L / block - 1], held by the request
-    retention          superseded snapshots the policy does not keep are dropped at once
+    retention          superseded snapshots the policy does not keep are dropped at once;
+                       kept ones are released to the cache (``release``) or stay held
     free               the request's reference goes; the page stays cached (LRU)
+
+Why a request holds only its newest snapshot (``release``): a state page is as big as
+thousands of tokens of KV, and a pinned page can never be evicted. Holding the prompt
+end and the hit snapshot until the request ends made a decoding request pin ~2.7 state
+pages (docs/simulator.md); released, they stay hits for other requests and give way
+under pressure like any cached page.
 """
 
 from __future__ import annotations
@@ -30,6 +39,8 @@ class _ReqState:
     snapshots: dict[int, PageId] = field(default_factory=dict)  # position → page
     created: set[int] = field(default_factory=set)  # positions this request snapshotted
     pending: tuple[int, PageId] | None = None  # (position, page) to publish after the step
+    recycled: tuple[int, BlockHash] | None = None  # the snapshot pending's page held before
+    pending_generated: bool = False  # the pending snapshot covers sampled tokens
 
 
 class RecurrentGroup(GroupManager):
@@ -40,6 +51,9 @@ class RecurrentGroup(GroupManager):
         self.caching = caching
         self.reqs: dict[ReqId, _ReqState] = {}
         self.num_snapshots_taken = 0
+        # snapshot page → its hash, for snapshots that cover sampled tokens (a page that
+        # was evicted and reused since no longer matches its entry)
+        self._generated: dict[PageId, BlockHash] = {}
         self.num_snapshots_dropped = 0
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int) -> int:
@@ -54,6 +68,11 @@ class RecurrentGroup(GroupManager):
         if num_tokens == 0:
             return None
         return self.pool.lookup(hashes[num_tokens // self.block_tokens - 1])
+
+    def is_generated(self, page: PageId) -> bool:
+        """Whether this cached snapshot covers tokens its creator sampled (a turn's end)."""
+        block_hash = self._generated.get(page)
+        return block_hash is not None and block_hash == self.pool.hash_of(page)
 
     def take_hit(self, req_id: ReqId, hashes: Sequence[BlockHash], num_tokens: int) -> None:
         state = self.reqs.setdefault(req_id, _ReqState())
@@ -76,22 +95,65 @@ class RecurrentGroup(GroupManager):
         assert live is not None, f"request {req_id} has no live state"
         return live
 
-    def reserve_snapshot(self, req_id: ReqId, position: int) -> PageId | None:
-        """A page for the snapshot the runner takes after this step, or None if none fits."""
+    def reserve_snapshot(
+        self,
+        req_id: ReqId,
+        position: int,
+        reusable: Callable[[int], bool] | None = None,
+        generated: bool = False,
+    ) -> PageId | None:
+        """A page for the snapshot the runner takes after this step, or None if none fits.
+
+        ``reusable(q)``: the request's newest snapshot at q may be overwritten, because
+        retention drops it once a newer one exists. Its page is then taken back (its hash
+        forgotten at once: from now on it may hold the new state) instead of a new page,
+        so a decode boundary costs a copy but no allocation and no eviction.
+        """
         state = self.reqs[req_id]
         if state.pending is not None or position in state.snapshots:
             return None
+        previous = max(state.created, default=None)
+        if (
+            reusable is not None
+            and previous is not None
+            and previous < position
+            and reusable(previous)
+            and self.pool.ref_count(state.snapshots[previous]) == 1  # nobody resumed from it
+        ):
+            page = state.snapshots.pop(previous)
+            state.created.discard(previous)
+            block_hash = self.pool.hash_of(page)
+            assert block_hash is not None
+            self.pool.uncache(page)
+            state.recycled = (previous, block_hash)
+            state.pending = (position, page)
+            state.pending_generated = generated
+            self.num_snapshots_dropped += 1
+            return page
         pages = self._allocate_pages(1)
         if pages is None:
             return None
         state.pending = (position, pages[0])
+        state.pending_generated = generated
         return pages[0]
 
     def cancel_snapshot(self, req_id: ReqId) -> None:
+        """Undo :meth:`reserve_snapshot` (the copy has not run): a reused page is re-cached."""
         state = self.reqs[req_id]
-        if state.pending is not None:
-            self.pool.release(state.pending[1], self.allocator.clock)
-            state.pending = None
+        if state.pending is None:
+            return
+        page = state.pending[1]
+        state.pending = None
+        if state.recycled is not None:
+            previous, block_hash = state.recycled
+            state.recycled = None
+            cached = self.pool.cache(page, block_hash, saved_tokens=previous)
+            assert cached, "the hash of a reused snapshot cannot be taken while it is pending"
+            state.snapshots[previous] = page
+            state.created.add(previous)
+            self.num_snapshots_dropped -= 1
+            return
+        self.pool.release(page, self.allocator.clock)
 
     def cache(self, req_id: ReqId, hashes: Sequence[BlockHash], num_computed: int) -> None:
         state = self.reqs[req_id]
@@ -99,28 +161,64 @@ class RecurrentGroup(GroupManager):
             return
         position, page = state.pending
         state.pending = None
+        state.recycled = None
         block_hash = hashes[position // self.block_tokens - 1]
         if self.pool.cache(page, block_hash, saved_tokens=position):
             state.snapshots[position] = page
             state.created.add(position)
             self.num_snapshots_taken += 1
+            if state.pending_generated:
+                self._generated[page] = block_hash
+            else:
+                self._generated.pop(page, None)
         else:  # another request published the same prefix first
             self.pool.release(page, self.allocator.clock)
 
-    def apply_retention(self, req_id: ReqId, keep: Callable[[int], bool]) -> None:
-        """Drop this request's superseded snapshots that ``keep`` rejects (the newest stays)."""
+    def apply_retention(
+        self,
+        req_id: ReqId,
+        keep: Callable[[int], bool],
+        release: bool = False,
+        demote: bool = False,
+        release_generated_hit: bool = False,
+    ) -> None:
+        """Drop this request's superseded snapshots that ``keep`` rejects (the newest stays).
+
+        ``release``: superseded snapshots that ``keep`` accepts are released to the cache
+        rather than held until :meth:`free`; with ``demote`` they go to the front of the
+        eviction queue unless another request holds them too.
+        ``release_generated_hit``: the snapshot the request resumed from is released and
+        demoted once its restore has run (this commit follows it) if it covers sampled
+        tokens: the end of a previous turn, which only this conversation continues and
+        which this request now supersedes. A hit on a prompt snapshot is held until the
+        request ends: prompt snapshots are the ones shared (system prompts), and running
+        requests that hold one keep it from being evicted between their arrivals.
+        """
         state = self.reqs[req_id]
+        clock = self.allocator.clock
+        if release_generated_hit:
+            for position in [p for p in state.snapshots if p not in state.created]:
+                page = state.snapshots[position]
+                if self.is_generated(page):
+                    del state.snapshots[position]
+                    self.pool.release(page, clock, demote and self.pool.ref_count(page) == 1)
         if len(state.created) < 2:
             return
         newest = max(state.created)
         for position in sorted(state.created):
-            if position == newest or keep(position):
+            if position == newest:
+                continue
+            if keep(position):
+                if release:
+                    page = state.snapshots.pop(position)
+                    state.created.discard(position)
+                    self.pool.release(page, clock, demote and self.pool.ref_count(page) == 1)
                 continue
             page = state.snapshots.pop(position)
             state.created.discard(position)
             if self.pool.ref_count(page) == 1:  # nobody else resumed from it
                 self.pool.uncache(page)
-            self.pool.release(page, self.allocator.clock)
+            self.pool.release(page, clock)
             self.num_snapshots_dropped += 1
 
     def free(self, req_id: ReqId) -> None:

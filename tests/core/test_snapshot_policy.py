@@ -1,0 +1,166 @@
+"""What a request holds of its snapshots, and what the cache keeps of them (CheckpointPolicy).
+
+The default policy: a request holds its live state and its newest snapshot only;
+superseded snapshots that retention keeps are released to the cache (ref 0, hits for
+other requests, evictable) at the front of the eviction queue; a decode boundary
+rewrites the newest snapshot's page in place when retention would drop it anyway;
+the snapshot a request resumed from is released after its restore if it covers
+sampled tokens (a previous turn's end) and held to the end if it is a prompt snapshot.
+"""
+
+from __future__ import annotations
+
+from core_factories import (
+    cached_snapshot_positions,
+    decode,
+    make_manager,
+    prefill,
+    snapshot_positions,
+    step,
+    tokens,
+)
+
+from hybridkv.core.checkpoint import CheckpointPolicy
+from hybridkv.core.groups.base import ReqId
+from hybridkv.core.manager import CacheManager
+
+A, B, C = ReqId("a"), ReqId("b"), ReqId("c")
+ATTN, STATE = 0, 1
+
+
+def held_state_pages(mgr: CacheManager, req: ReqId) -> int:
+    """State pages the request references: its live page, snapshots and a pending one."""
+    state = mgr.recurrent[0].reqs[req]
+    return len(state.snapshots) + (state.live is not None) + (state.pending is not None)
+
+
+def test_superseded_snapshot_is_released_but_stays_a_hit() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(20))
+    prefill(mgr, "a", 20)  # prompt end 16, then 20
+    state_pool = mgr.allocator.pools[STATE]
+    page16 = state_pool.lookup(mgr._reqs[A].hashes[3])
+    assert page16 is not None
+    assert snapshot_positions(mgr, "a") == [20]
+    assert state_pool.ref_count(page16) == 0  # nobody pins it ...
+    assert page16 in state_pool.cached_pages_oldest_first()  # ... it is evictable
+    mgr.add_request(B, tokens(18) + tokens(6, start=900))
+    assert mgr.find_hit(B).num_tokens == 16  # ... and a hit while a still runs
+    prefill(mgr, "b", 24)
+    mgr.check_integrity()
+
+
+def test_released_superseded_snapshot_is_evicted_before_newer_cached_pages() -> None:
+    mgr = make_manager(num_chunks=4)
+    mgr.add_request(C, tokens(5, start=500))
+    prefill(mgr, "c", 5)  # c's prompt end (4) is cached when c ends
+    mgr.free(C)
+    state_pool = mgr.allocator.pools[STATE]
+    c_page = state_pool.cached_pages_oldest_first()[0]
+    mgr.add_request(A, tokens(8))
+    prefill(mgr, "a", 8)  # prompt end 4, then 8: 4 is superseded after c's release
+    a4 = state_pool.lookup(mgr._reqs[A].hashes[0])
+    assert a4 is not None
+    assert state_pool.cached_pages_oldest_first() == [a4, c_page]  # demoted to the front
+    mgr.add_request(B, tokens(4, start=900))
+    assert mgr.allocate(B, 3, mgr.find_hit(B)) is not None  # needs a live state page
+    assert cached_snapshot_positions(mgr, tokens(8)) == [8]  # a's 4 went first
+    assert cached_snapshot_positions(mgr, tokens(5, start=500)) == [4]  # c's survived
+    mgr.check_integrity()
+
+
+def test_decode_boundary_rewrites_the_newest_snapshot_page_in_place() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(6))
+    prefill(mgr, "a", 6, sampled=100)
+    first = step(mgr, "a", 2, [101])  # computes 6, 7: snapshot at 8 (new page)
+    assert first is not None and len(first.snapshots) == 1
+    page8 = first.snapshots[0].dst_page
+    for i in range(4):  # computes 8 .. 11
+        alloc = step(mgr, "a", 1, [102 + i])
+        assert alloc is not None
+        assert held_state_pages(mgr, A) == 2  # live + newest, never the prompt end
+    assert alloc.snapshots[0].dst_page == page8  # the boundary at 12 reused 8's page
+    assert alloc.new_pages[STATE] == ()
+    seq = tokens(6) + tokens(8, start=100)
+    assert cached_snapshot_positions(mgr, seq) == [4, 12]  # 8's hash is gone with it
+    assert snapshot_positions(mgr, "a") == [12]
+
+
+def test_a_snapshot_another_request_resumed_from_is_not_rewritten() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(6))
+    prefill(mgr, "a", 6, sampled=100)
+    decode(mgr, "a", tokens(3, start=101))  # 8 computed: a's newest snapshot is at 8
+    page8 = mgr.recurrent[0].reqs[A].snapshots[8]
+    mgr.add_request(B, tokens(6) + tokens(4, start=100))
+    hit = mgr.find_hit(B)
+    assert hit.num_tokens == 8
+    assert mgr.allocate(B, 2, hit) is not None  # b holds 8 until its restore has run
+    alloc = decode(mgr, "a", tokens(3, start=104))[-1]  # computes 9 .. 11: snapshot at 12
+    assert alloc.snapshots[0].dst_page != page8
+    mgr.commit(B, 10)
+    assert mgr.allocator.pools[STATE].ref_count(page8) == 0  # cached, not lost
+    seq = tokens(6) + tokens(7, start=100)
+    assert 8 in cached_snapshot_positions(mgr, seq)
+    mgr.check_integrity()
+
+
+def test_cancelled_reuse_puts_the_snapshot_back() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(6))
+    prefill(mgr, "a", 6, sampled=100)
+    decode(mgr, "a", tokens(3, start=101))  # newest snapshot at 8
+    group = mgr.recurrent[0]
+    page8 = group.reqs[A].snapshots[8]
+    assert group.reserve_snapshot(A, 12, lambda position: True) == page8
+    assert cached_snapshot_positions(mgr, tokens(6) + tokens(3, start=100)) == [4]
+    group.cancel_snapshot(A)  # what _reserve_snapshots does when another group fails
+    assert group.reqs[A].snapshots == {8: page8}
+    assert cached_snapshot_positions(mgr, tokens(6) + tokens(3, start=100)) == [4, 8]
+    mgr.check_integrity()
+
+
+def test_generated_hit_is_released_after_the_restore() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(6))
+    prefill(mgr, "a", 6, sampled=100)
+    decode(mgr, "a", tokens(7, start=101))  # 12 computed: snapshot at 12 covers samples
+    mgr.free(A)
+    turn2 = tokens(6) + tokens(7, start=100) + tokens(5, start=900)
+    mgr.add_request(B, turn2)
+    hit = mgr.find_hit(B)
+    assert hit.num_tokens == 12
+    assert mgr.allocate(B, 4, hit) is not None
+    page12 = mgr.recurrent[0].reqs[B].snapshots[12]
+    assert mgr.allocator.pools[STATE].ref_count(page12) == 1  # until the restore ran
+    mgr.commit(B, 16)
+    assert 12 not in snapshot_positions(mgr, "b")
+    assert mgr.allocator.pools[STATE].ref_count(page12) == 0
+    assert mgr.allocator.pools[STATE].cached_pages_oldest_first()[0] == page12  # demoted
+    assert held_state_pages(mgr, B) == 2  # live + its own snapshot at 16
+    mgr.check_integrity()
+
+
+def test_prompt_hit_is_held_until_the_request_ends() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(13))
+    prefill(mgr, "a", 13)  # prompt end 12: prompt tokens only (a shared system prompt)
+    mgr.free(A)
+    mgr.add_request(B, tokens(13) + tokens(8, start=900))
+    prefill(mgr, "b", 21, sampled=5)
+    assert 12 in snapshot_positions(mgr, "b")  # still held: running requests protect it
+    mgr.free(B)
+    assert mgr.allocator.pools[STATE].num_used_pages == 0
+    mgr.check_integrity()
+
+
+def test_decode_interval_snapshots_only_on_its_grid() -> None:
+    policy = CheckpointPolicy(decode_interval_tokens=2 * 4)
+    mgr = make_manager(num_chunks=16, checkpoint=policy)
+    mgr.add_request(A, tokens(6))
+    prefill(mgr, "a", 6, sampled=100)
+    allocs = decode(mgr, "a", tokens(22, start=101))  # computes 6 .. 27
+    taken = [6 + i + 1 for i, a in enumerate(allocs) if a.snapshots]
+    assert taken == [8, 16, 24]
+    assert snapshot_positions(mgr, "a") == [24]
