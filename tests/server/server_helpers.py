@@ -1,0 +1,87 @@
+"""Helpers of the server tests: a live uvicorn server in a thread, /metrics scraping."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from hybridkv.engine import LLMEngine
+
+MODEL_NAME = "tiny-qwen35"
+MAX_MODEL_LEN = 256
+ENGINE_OPTIONS: dict[str, Any] = {
+    "max_model_len": MAX_MODEL_LEN,
+    "cache_memory_gib": 0.1,
+    "max_num_seqs": 64,
+}
+
+
+@dataclass
+class LiveServer:
+    """A uvicorn server running an app in a daemon thread."""
+
+    base_url: str
+    server: Any
+    thread: threading.Thread
+    engine: LLMEngine
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(15)
+
+
+def start_server(engine: LLMEngine, api_key: str | None = None) -> LiveServer:
+    import uvicorn
+
+    from hybridkv.server import create_app
+
+    app = create_app(engine, MODEL_NAME, api_key=api_key)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{port}", server, thread, engine)
+
+
+def scrape(http: httpx.Client) -> dict[str, float]:
+    """/metrics as {'name{labels}': value} (comments dropped)."""
+    response = http.get("/metrics")
+    assert response.status_code == 200
+    values = {}
+    for line in response.text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+def pages_held(metrics: dict[str, float]) -> float:
+    """Pages held by requests: running + waiting sequences, and pages_used of every group."""
+    used = sum(v for k, v in metrics.items() if k.startswith("hybridkv_pages_used{"))
+    return used + metrics["hybridkv_state_pages_used"]
+
+
+def wait_idle(http: httpx.Client, timeout_s: float = 20.0) -> dict[str, float]:
+    """Poll /metrics until no request runs or waits and no page is held; the last scrape."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        metrics = scrape(http)
+        busy = metrics["hybridkv_num_requests_running"] + metrics["hybridkv_num_requests_waiting"]
+        if busy == 0 and pages_held(metrics) == 0:
+            return metrics
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the server did not go idle: {metrics}")
+        time.sleep(0.05)
