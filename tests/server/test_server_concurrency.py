@@ -1,0 +1,101 @@
+"""Many clients at once, some of them hanging up: the others finish, nothing stays held.
+
+Clients that disconnect ask for far more tokens than the others (``ignore_eos``), so they
+would still be generating long after the others finish if a disconnect did not abort them;
+the generated-token counter shows how much of their budget they consumed.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+from server_helpers import MODEL_NAME, scrape, wait_idle
+
+NUM_CLIENTS = 32
+COMPLETE_TOKENS = 8
+ABANDONED_TOKENS = 200  # the prompt leaves room for it within max_model_len 256
+
+
+def is_quitter(i: int) -> bool:
+    return i % 3 == 0  # 11 of 32
+
+
+def stream_one(base_url: str, i: int, start: threading.Barrier) -> dict[str, Any]:
+    quitter = is_quitter(i)
+    body = {
+        "model": MODEL_NAME,
+        "stream": True,
+        "max_tokens": ABANDONED_TOKENS if quitter else COMPLETE_TOKENS,
+        "temperature": 0 if i % 2 else 0.8,
+        "seed": i,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
+    if i % 4 < 2:
+        path, body["prompt"] = "/v1/completions", f"Client {i} says hello."
+    else:
+        path = "/v1/chat/completions"
+        body["messages"] = [{"role": "user", "content": f"Client {i}: hi"}]
+    events: list[str] = []
+    start.wait()
+    with (
+        httpx.Client(base_url=base_url, timeout=60) as http,
+        http.stream("POST", path, json=body) as response,
+    ):
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line:
+                events.append(line.removeprefix("data: "))
+            if quitter and len(events) == 1:
+                break  # leaving the block closes the connection mid-stream
+    return {"quitter": quitter, "events": events}
+
+
+def test_32_streams_with_a_third_disconnecting(live: Any, http: httpx.Client) -> None:
+    before = scrape(http)["hybridkv_generation_tokens_total"]
+    start = threading.Barrier(NUM_CLIENTS)
+    with ThreadPoolExecutor(NUM_CLIENTS) as pool:
+        futures = [pool.submit(stream_one, live.base_url, i, start) for i in range(NUM_CLIENTS)]
+        results = [f.result() for f in futures]
+    completed = [r for r in results if not r["quitter"]]
+    assert len(completed) == NUM_CLIENTS - 11
+    completion_tokens = 0
+    for result in completed:
+        events = result["events"]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert all("error" not in c for c in chunks)
+        finish = [ch["finish_reason"] for c in chunks for ch in c["choices"]]
+        assert finish[-1] == "length" and finish.count("length") == 1
+        usage = chunks[-1]["usage"]
+        assert usage["completion_tokens"] == COMPLETE_TOKENS
+        completion_tokens += usage["completion_tokens"]
+    metrics = wait_idle(http, timeout_s=20)
+    assert metrics["hybridkv_num_requests_running"] == 0
+    assert metrics["hybridkv_num_requests_waiting"] == 0
+    assert all(v == 0 for k, v in metrics.items() if k.startswith("hybridkv_pages_used{")), metrics
+    assert metrics["hybridkv_state_pages_used"] == 0
+    abandoned = metrics["hybridkv_generation_tokens_total"] - before - completion_tokens
+    print(f"abandoned streams generated {abandoned:.0f} tokens")
+    assert abandoned < 11 * ABANDONED_TOKENS / 2, f"disconnected streams ran on: {abandoned}"
+    assert not live.engine.scheduler.running and not live.engine.scheduler.waiting
+    ok = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_non_streaming_client_timeout_aborts(http: httpx.Client, live: Any) -> None:
+    """A client that gives up on a non-streaming request gets its request cancelled too."""
+    before = scrape(http)["hybridkv_generation_tokens_total"]
+    body = {"model": MODEL_NAME, "prompt": "Tell me", "max_tokens": 240, "ignore_eos": True}
+    try:
+        with httpx.Client(base_url=live.base_url, timeout=0.3) as impatient:
+            impatient.post("/v1/completions", json=body)
+    except httpx.TimeoutException:
+        pass
+    metrics = wait_idle(http, timeout_s=20)
+    generated = metrics["hybridkv_generation_tokens_total"] - before
+    assert generated < 240, f"the abandoned request ran to {generated} tokens"
