@@ -1,0 +1,64 @@
+"""``hybridkv serve`` as a user runs it: a subprocess, the openai client, Ctrl-C to stop."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from openai import OpenAI
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_serve_command_chats_and_stops_cleanly(checkpoint: Path) -> None:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "hybridkv", "serve", "--model", str(checkpoint),
+        "--port", str(port), "--served-model-name", "cli-model", "--api-key", "k",
+        "--cache-memory-gib", "0.05", "--max-model-len", "128", "--log-level", "warning",
+    ]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.communicate()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "hybridkv serve did not come up"
+            time.sleep(0.2)
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["cli-model"]
+        reply = client.chat.completions.create(
+            model="cli-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert reply.choices[0].finish_reason in ("stop", "length")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode == 0, stderr
+    assert f"at http://127.0.0.1:{port}/v1 (API key required)" in stderr
+    assert "Traceback" not in stderr
+
+
+def test_serve_bad_model_is_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hybridkv", "serve", "--model", str(tmp_path / "none")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("hybridkv serve: error: --model")
+    assert "Traceback" not in result.stderr
