@@ -36,6 +36,8 @@ class EngineConfig:
             of other requests); None snapshots only prompt and sequence ends.
         retention_interval: superseded snapshots are kept only on multiples of this.
         seed: seeds the sampling of requests without a seed of their own.
+        poison_cache: fill the arena with 0xFF bytes (NaN in every float dtype) at start,
+            so a read of cache memory nobody wrote shows up as NaN logits (tests, debugging).
     """
 
     model: str
@@ -52,6 +54,7 @@ class EngineConfig:
     checkpoint_interval: int | None = None
     retention_interval: int | None = None
     seed: int = 0
+    poison_cache: bool = False
 
     def __post_init__(self) -> None:
         def positive_int(name: str, value: object, allow_none: bool = False) -> None:

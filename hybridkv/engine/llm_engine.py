@@ -109,7 +109,7 @@ def max_fitting_len(manager: CacheManager, spec: ModelSpec, block_size: int) -> 
 class LLMEngine:
     """The serving engine of one model: scheduler, cache manager, runner and sampler."""
 
-    def __init__(self, config: EngineConfig, *, poison_arena: bool = False) -> None:
+    def __init__(self, config: EngineConfig) -> None:
         self.config = config
         dtype = resolve_dtype(config.dtype, config.device, config.model)
         self.device = torch.device(config.device)
@@ -137,7 +137,7 @@ class LLMEngine:
             self.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
         model = loaded.model.to(self.device)
         self.runner = ModelRunner(
-            model, loaded.spec, self.manager.layout, self.device, poison_arena=poison_arena
+            model, loaded.spec, self.manager.layout, self.device, poison_arena=config.poison_cache
         )
         budget = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.scheduler = Scheduler(

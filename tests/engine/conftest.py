@@ -1,0 +1,36 @@
+"""Engine tests reuse the tiny-checkpoint helpers of tests/models (imported by bare name)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
+
+from engine_checkpoints import ARCHITECTURES, build_checkpoint
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _two_threads() -> None:
+    torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """arch -> (transformers model, checkpoint dir), built once per session on first use."""
+    built: dict[str, tuple[Any, Path]] = {}
+
+    def get(arch: str) -> tuple[Any, Path]:
+        if arch not in built:
+            model_dir = tmp_path_factory.mktemp(f"engine_{arch}")
+            built[arch] = (build_checkpoint(arch, model_dir), model_dir)
+        return built[arch]
+
+    return get
+
+
+__all__ = ["ARCHITECTURES"]

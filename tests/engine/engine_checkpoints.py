@@ -1,0 +1,40 @@
+"""One tiny random checkpoint per architecture the models support, for engine tests.
+
+The configs are the ones the model tests use (one source of truth): their page sizes do
+not divide each other, and constant tensors are perturbed.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hybrid_checks import make_hf
+from test_falcon_h1 import CONFIG as FALCON_H1
+from test_jamba import CONFIG as JAMBA
+from test_lfm2 import CONFIG as LFM2
+from test_mamba2_hybrids import CONFIGS as MAMBA2_HYBRIDS
+from tiny import CONFIGS as QWEN
+from tiny import save_checkpoint
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    **QWEN,
+    **MAMBA2_HYBRIDS,
+    "jamba": JAMBA,
+    "lfm2": LFM2,
+    "falcon_h1": FALCON_H1,
+}
+ARCHITECTURES = sorted(CONFIGS)
+
+
+def build_checkpoint(arch: str, model_dir: Path, seed: int = 0) -> Any:
+    """Save a seeded tiny ``arch`` checkpoint (with the byte tokenizer) into ``model_dir``."""
+    hf = make_hf(arch, CONFIGS[arch], seed)
+    save_checkpoint(hf, model_dir)
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    if "layers_block_type" in config:  # transformers 5 drops it for NemotronH; hub files have it
+        config.setdefault("num_hidden_layers", len(config["layers_block_type"]))
+        config_path.write_text(json.dumps(config))
+    return hf

@@ -1,0 +1,116 @@
+"""Prefix caching never changes an answer: cache on == cache off == transformers' greedy.
+
+Every architecture the models support runs the same multi-turn scenario on a tiny random
+checkpoint: two conversations sharing a system prompt, three turns each (each turn's prompt
+is the previous prompt + the reply + a new message), and a prompt repeated verbatim. The
+rounds are submitted so that reuse is possible: the second conversation starts after the
+first one has cached the system prompt (with a 16-token checkpoint interval, so a recurrent
+state snapshot exists inside it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_checkpoints import ARCHITECTURES
+from hybrid_checks import prompt
+from tiny import hf_greedy
+
+from hybridkv import LLM, SamplingParams
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+SYSTEM = prompt(100, 37)
+OPTIONS: dict[str, Any] = {
+    "max_model_len": 256,
+    "block_size": 8,
+    "checkpoint_interval": 16,
+    "cache_memory_gib": 0.05,
+    "poison_cache": True,
+}
+
+
+def run_scenario(llm: LLM) -> list[tuple[list[int], list[int], int]]:
+    """(prompt, completion, num_cached_tokens) of every request, in submission order."""
+    convs = {"a": SYSTEM + prompt(1, 9), "b": SYSTEM + prompt(2, 12)}
+    repeat = prompt(3, 29)
+    rounds: list[list[str]] = [["a", "repeat"], ["b", "a", "repeat"], ["a", "b"], ["b"]]
+    results = []
+    turn = {"a": 0, "b": 0}
+    for names in rounds:
+        prompts = [repeat if n == "repeat" else convs[n] for n in names]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        for name, p, out in zip(names, prompts, outs, strict=True):
+            reply = out.outputs[0].token_ids
+            assert len(reply) == MAX_TOKENS and out.outputs[0].finish_reason == "length"
+            results.append((p, reply, out.num_cached_tokens))
+            if name != "repeat":
+                turn[name] += 1
+                convs[name] = p + reply + prompt(10 * turn[name] + len(name), 5)
+    return results
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_multiturn_cache_on_equals_off_equals_transformers(arch: str, checkpoints: Any) -> None:
+    hf, path = checkpoints(arch)
+    on = LLM(str(path), **OPTIONS)
+    off = LLM(str(path), enable_prefix_caching=False, **OPTIONS)
+    with_cache, without = run_scenario(on), run_scenario(off)
+    for (p, reply, _), (p_off, reply_off, cached_off) in zip(with_cache, without, strict=True):
+        assert p == p_off and reply == reply_off
+        assert cached_off == 0
+        assert reply == hf_greedy(hf, p, MAX_TOKENS)[0]
+    cached = [c for _, _, c in with_cache]
+    # round 1: a, repeat (cold); round 2: b (system prompt), a turn 2, repeat (whole prompt)
+    assert cached[:2] == [0, 0]
+    assert cached[2] >= 32  # b found the 32-token checkpoint inside the shared system prompt
+    assert all(c > 0 for c in cached[2:])
+    assert cached[4] == (len(with_cache[4][0]) - 1) // 8 * 8  # the repeat: its prompt end
+    stats = on.stats()
+    assert stats["prefix_cache_hits"] == sum(cached) > 0
+    assert stats["prefix_cache_queries"] == sum(len(p) for p, _, _ in with_cache)
+    assert off.stats()["prefix_cache_hits"] == 0
+    assert_all_released(on)
+
+
+def assert_all_released(llm: LLM) -> None:
+    """After every request finished: no page held by a request; the cache is consistent."""
+    manager = llm.engine.manager
+    manager.check_integrity()
+    assert manager.num_requests == 0
+    for group in llm.stats()["groups"]:
+        assert group["pages_used"] == 0, group
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "bamba", "jamba"])
+def test_memory_pressure_preempts_and_evicts_without_changing_outputs(
+    arch: str, checkpoints: Any
+) -> None:
+    hf, path = checkpoints(arch)
+    small = LLM(str(path), **{**OPTIONS, "cache_memory_gib": tight_cache_gib(path, OPTIONS)})
+    shared = prompt(7, 24)
+    prompts = [shared + prompt(20 + i, 30 + 3 * i) for i in range(8)] + [shared + prompt(20, 30)]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in small.generate(requests, params, use_tqdm=False)]
+    stats = small.stats()
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["pages_evicted"] > 0, stats
+    assert_all_released(small)
+    for p, tokens in zip(prompts, got, strict=True):
+        assert tokens == hf_greedy(hf, p, 24)[0]
+
+
+def tight_cache_gib(path: Path, options: dict[str, Any]) -> float:
+    """A cache that holds one max_model_len sequence and a little more: two or three of
+    these prompts at once, so running them all needs preemption and eviction."""
+    probe = LLM(str(path), **options)
+    layout, spec = probe.engine.manager.layout, probe.engine.spec
+    chunks_needed = 0
+    for g in spec.groups:
+        per_chunk = layout.pages_per_chunk(g.group_id)
+        pages = 3 if g.is_recurrent else -(-options["max_model_len"] // options["block_size"])
+        chunks_needed += -(-pages // per_chunk)
+    return (chunks_needed + 2) * layout.chunk_bytes / (1 << 30)
