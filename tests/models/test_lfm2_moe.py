@@ -62,6 +62,7 @@ VARIANTS: dict[str, tuple[int, dict[str, Any]]] = {  # name -> (seed, config)
             "num_experts": 5,
             "num_experts_per_tok": 3,
             "norm_topk_prob": False,
+            "initializer_range": 0.2,  # at 0.1 greedy repeats 3 tokens
         },
     ),
     "no_bias": (
@@ -77,6 +78,7 @@ VARIANTS: dict[str, tuple[int, dict[str, Any]]] = {  # name -> (seed, config)
             "num_experts_per_tok": 2,
             "use_expert_bias": False,
             "routed_scaling_factor": 0.6,
+            "initializer_range": 0.2,  # at 0.1 greedy repeats 1 token
         },
     ),
 }
