@@ -1,9 +1,10 @@
 """LFM2-MoE (short conv + attention, sigmoid-routed experts) against transformers (fp32).
 
 Variants differ in seed, layer pattern, dense/sparse split and routing switches; ``odd``
-has hidden 40 and a 4-tap conv, so a KV page (16 x 2 x 10 x 2 x 4 B) is no multiple of a
-conv state page (40 x 3 x 4 B). The expert bias is a buffer that random init leaves at zero:
-it gets seeded noise large enough to change which experts are picked.
+has hidden 40 and a 4-tap conv, so a 16-token KV page (5120 B, two attention layers) is no
+multiple of a conv state page (1440 B, three conv layers). The expert bias is a buffer
+that random init leaves at zero: it gets seeded noise large enough to change which experts
+are picked.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Zamba2 (Mamba2 + shared transformer blocks with per-layer LoRA) against transformers (fp32).
 
 Variants differ in seed, layer pattern, number of shared blocks, adapters, RoPE and GQA.
-``odd`` has a hybrid first layer, grouped KV heads and sizes where no page size divides
-another (KV page 16 x 2 x 24 x 2 x 4 B; Mamba2 state page (144 x 3 + 6 x 16 x 8) x 4 B).
+``odd`` has a hybrid first layer, grouped KV heads and sizes where neither page size divides
+the other (16-token KV pages of 12288 B for two hybrid layers, Mamba2 state pages of 24064 B).
 transformers saves a shared block once, under its first hybrid layer; the other stored
 form (a full copy under every hybrid layer) is written here by renaming keys.
 """
