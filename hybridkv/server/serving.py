@@ -14,7 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -158,6 +158,8 @@ async def last_output(ctx: ServingContext, stream: RequestStream) -> RequestOutp
     try:
         async for latest in observed(ctx, stream):
             out = latest
+    except EngineDeadError as exc:
+        raise APIError(str(exc), status=500) from exc
     finally:
         stream.close()
     assert out is not None
@@ -174,6 +176,9 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     watcher = asyncio.ensure_future(_wait_disconnect(request))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:  # the handler itself is cancelled (shutdown)
+        task.cancel()
+        raise
     finally:
         watcher.cancel()
     if not task.done():
@@ -193,7 +198,8 @@ async def _wait_disconnect(request: Request) -> None:
 # ---------------------------------------------------------------------------- deltas
 
 
-class ChoiceDelta(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class ChoiceDelta:
     """What one completion added since the last chunk."""
 
     index: int

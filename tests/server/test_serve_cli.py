@@ -10,7 +10,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from openai import OpenAI
+
+from hybridkv.cli import main
 
 
 def free_port() -> int:
@@ -19,6 +22,7 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_serve_command_chats_and_stops_cleanly(checkpoint: Path) -> None:
     port = free_port()
     command = [
@@ -52,13 +56,19 @@ def test_serve_command_chats_and_stops_cleanly(checkpoint: Path) -> None:
     assert "Traceback" not in stderr
 
 
-def test_serve_bad_model_is_one_line(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "hybridkv", "serve", "--model", str(tmp_path / "none")],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 2
-    assert result.stderr.startswith("hybridkv serve: error: --model")
-    assert "Traceback" not in result.stderr
+def test_serve_bad_model_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--model", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridkv serve: error: --model")
+    assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "words"),
+    [("--port", "70000", "--port must be in"), ("--max-body-mib", "0", "--max-body-mib")],
+)
+def test_serve_bad_flags(
+    checkpoint: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, words: str
+) -> None:
+    assert main(["serve", "--model", str(checkpoint), flag, value]) == 2
+    assert words in capsys.readouterr().err
