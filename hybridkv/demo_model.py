@@ -2,26 +2,27 @@
 
 Real weights cannot be downloaded everywhere, yet a newcomer should see the whole path
 (load, plan, serve, chat) work with zero set-up. :func:`build_demo_model` makes a complete
-Hugging Face-style checkpoint directory once, in about a minute on two CPU cores, and
-returns it on every later call::
+Hugging Face-style checkpoint directory once (about 100 CPU-seconds: a minute or so on two
+idle cores) and returns it at once on every later call::
 
     ~/.cache/hybridkv/demo-qwen35-v1/      ($HYBRIDKV_CACHE_DIR overrides ~/.cache/hybridkv)
         config.json             qwen3_5_text: 3 Gated DeltaNet layers + 1 gated attention layer
         model.safetensors       ~1M fp32 parameters, tied embeddings, our checkpoint names
-        tokenizer.json          byte-level BPE (1024 tokens) trained on the corpus
+        tokenizer.json          byte-level BPE (at most 1024 tokens) trained on the corpus
         tokenizer_config.json   chat template <|user|>\\n...<|end|>\\n<|assistant|>\\n, eos <|end|>
         generation_config.json  eos ids: <|end|> (end of turn) and <|endoftext|>
         hybridkv_demo.json      the recipe and its losses; written last, marks the build complete
 
-How it is made: :mod:`hybridkv.demo_corpus` generates ~60 KB of simple stories and chats
-from templates (seeded), ``tokenizers`` trains the BPE on it, and the model trains for a few
-hundred AdamW steps *through the serving model code itself*: the layers of
+How it is made: :mod:`hybridkv.demo_corpus` generates ~120 KB of simple stories and chats
+from templates (seeded), ``tokenizers`` trains the BPE on it, and the model trains for 200
+AdamW steps of 8 x 256 tokens *through the serving model code itself*: the layers of
 :class:`hybridkv.models.qwen3_5.Qwen35ForCausalLM` run with autograd over a fresh dense
 cache arena per batch (every sequence a fresh request of one prefill chunk), so the weights
-are trained by exactly the function that serves them, and no second implementation exists to
-drift. Gradients through the paged ops equal transformers' to ~1e-5 (tests). The result
-answers the corpus's questions in the chat format and ends its turn with ``<|end|>``; it
-knows nothing else.
+are trained by exactly the function that serves them and no second implementation can
+drift from it. Its gradients equal transformers' (tests). Held-out loss falls from ~6.9
+(uniform guessing) to ~0.4: the model chats in the template's format, tells corpus-style
+stories, ends its turns with ``<|end|>``, and often picks the wrong fact; it knows nothing
+beyond the corpus.
 
 The same recipe gives the same weights on the same machine (seeded init, batches and BPE).
 A build goes to a temporary sibling directory renamed into place at the end, under a file
@@ -90,7 +91,7 @@ class DemoRecipe:
     hidden_size: int = 128
     intermediate_size: int = 384
     num_layers: int = 4  # full attention every 4th layer, as in Qwen3.5
-    num_steps: int = 240
+    num_steps: int = 200
     batch_seqs: int = 8
     seq_tokens: int = 256
     learning_rate: float = 3e-3
@@ -111,7 +112,7 @@ def default_cache_dir() -> Path:
 
 def demo_model_dir(cache_dir: Path | None = None, *, num_steps: int | None = None) -> Path:
     """Where :func:`build_demo_model` puts (or finds) the checkpoint; builds nothing."""
-    return (cache_dir or default_cache_dir()) / _recipe(num_steps).name
+    return (Path(cache_dir) if cache_dir else default_cache_dir()) / _recipe(num_steps).name
 
 
 def is_complete(model_dir: Path) -> bool:
@@ -136,7 +137,7 @@ def build_demo_model(
         :func:`hybridkv.models.loader.load_model`.
     """
     recipe = _recipe(num_steps)
-    target = (cache_dir or default_cache_dir()) / recipe.name
+    target = (Path(cache_dir) if cache_dir else default_cache_dir()) / recipe.name
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -145,6 +146,7 @@ def build_demo_model(
             return target
         _remove_leftovers(target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+        tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary directory
         try:
             _build_into(tmp, recipe, progress)
             os.rename(tmp, target)  # atomic: the directory appears complete or not at all
