@@ -13,6 +13,10 @@ Retention (``retention_interval_tokens``): once a newer snapshot of the same req
 exists, an older one is kept only if it is the prompt end or sits on a multiple of the
 retention interval. Dense snapshots evict the attention prefixes they belong to
 (vLLM PR #45845: ~80% of blocks at block size 128), so sparse is the default.
+
+What a request *holds* is separate from what the cache keeps: by default only its live
+state and its newest snapshot (the ``release_*``, ``reuse_*`` and ``demote_*`` knobs; why
+and the measurements are in docs/architecture.md §3 and docs/simulator.md).
 """
 
 from __future__ import annotations
