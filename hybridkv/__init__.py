@@ -12,6 +12,8 @@ Packages, bottom to top (imports only point down this list):
 - ``server``: the OpenAI-compatible HTTP server. ``cli`` parses arguments and calls down.
 """
 
+import importlib
+
 __version__ = "0.1.0"
 
 _ENGINE_NAMES = ("LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput")
@@ -20,7 +22,8 @@ _ENGINE_NAMES = ("LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestO
 def __getattr__(name: str) -> object:
     """``from hybridkv import LLM`` without importing torch for users of the core alone."""
     if name in _ENGINE_NAMES:
-        from hybridkv import engine
-
+        # importlib, not an import statement: type checkers of the torch-free core must not
+        # follow it into the engine.
+        engine = importlib.import_module("hybridkv.engine")
         return getattr(engine, name)
     raise AttributeError(f"module 'hybridkv' has no attribute {name!r}")

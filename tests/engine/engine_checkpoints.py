@@ -14,7 +14,9 @@ from hybrid_checks import make_hf
 from test_falcon_h1 import CONFIG as FALCON_H1
 from test_jamba import CONFIG as JAMBA
 from test_lfm2 import CONFIG as LFM2
+from test_lfm2_moe import VARIANTS as LFM2_MOE
 from test_mamba2_hybrids import CONFIGS as MAMBA2_HYBRIDS
+from test_zamba2 import VARIANTS as ZAMBA2
 from tiny import CONFIGS as QWEN
 from tiny import save_checkpoint
 
@@ -24,6 +26,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "jamba": JAMBA,
     "lfm2": LFM2,
     "falcon_h1": FALCON_H1,
+    "zamba2": ZAMBA2["two_blocks"][1],  # shared blocks, LoRA adapters, one KV cache per use
+    "lfm2_moe": LFM2_MOE["base"][1],
 }
 ARCHITECTURES = sorted(CONFIGS)
 
