@@ -30,6 +30,9 @@ from hybridkv.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+IDLE_POLL_S = 0.01
+
+
 class EngineDeadError(RuntimeError):
     """The step loop raised; the requests it was running are aborted."""
 
@@ -89,15 +92,22 @@ class AsyncEngine:
                 self._wake.wait()
                 self._wake.clear()
                 continue
+            num_steps = self.engine.num_steps
             try:
                 with self._step_lock:
                     outputs = self.engine.step()
             except Exception as exc:  # an engine bug: fail the requests, keep serving
                 logger.exception("engine step failed")
                 self._post(self._fail_all, EngineDeadError(f"engine step failed: {exc}"))
+                self._wake.wait(IDLE_POLL_S)
                 continue
             if outputs:
                 self._post(self._deliver, outputs)
+            elif self.engine.num_steps == num_steps:
+                # Nothing ran and nothing moved: only new input can change that, so wait for
+                # it (briefly, rather than spinning a core on an engine with stuck requests).
+                self._wake.wait(IDLE_POLL_S)
+                self._wake.clear()
         with self._step_lock:  # hand back the pages of what shutdown aborted
             self.engine.step()
 

@@ -20,6 +20,9 @@ from pydantic import BaseModel, ConfigDict, Field
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+MAX_N = 128  # completions per request, OpenAI's limit: n Sequences are built at admission
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
@@ -35,9 +38,9 @@ class SamplingFields(_Strict):
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
-    n: int = 1
+    n: int = Field(1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # int64, as OpenAI's
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None

@@ -29,6 +29,9 @@ if TYPE_CHECKING:
     from hybridkv.server.protocol import SamplingFields
 
 T = TypeVar("T")
+# Temperatures below this sample greedily (vLLM's rule): logits / 1e-40 overflow float32 to
+# inf, and the NaN probabilities would fail the whole batch's sampling step.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__ if not f.startswith("_")}
 
 
@@ -77,11 +80,14 @@ def sampling_params(
     req: SamplingFields, max_tokens: int | None, logprobs: int | None
 ) -> SamplingParams:
     """The engine's SamplingParams; its ValueError (it names the field) becomes a 400."""
+    temperature = req.temperature
+    if 0 < temperature < GREEDY_BELOW_TEMPERATURE:
+        temperature = 0.0
     try:
         return SamplingParams(
             n=req.n,
             max_tokens=max_tokens,
-            temperature=req.temperature,
+            temperature=temperature,
             top_p=req.top_p,
             top_k=req.top_k,
             min_p=req.min_p,

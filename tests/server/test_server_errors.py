@@ -17,6 +17,7 @@ from hybridkv.engine import EngineConfig, LLMEngine
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
+NAN_BODY = b'{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL_NAME.encode()
 
 
 def completion(**fields: Any) -> dict[str, Any]:
@@ -94,6 +95,8 @@ BAD_BODIES = [
     ("top-p-big", CHAT, chat(top_p=1.01), 400, "top_p must be in (0, 1]", "top_p"),
     ("n-0", COMPLETIONS, completion(n=0), 400, "n must be an integer >= 1", "n"),
     ("n-float", CHAT, chat(n=1.5), 400, "valid integer", "n"),
+    ("n-over-128", COMPLETIONS, completion(n=129), 400, "less than or equal to 128", "n"),
+    ("seed-over-int64", COMPLETIONS, completion(seed=2**64), 400, "less than", "seed"),
     ("unknown-role", CHAT, chat(messages=[{"role": "wizard", "content": "x"}]), 400, "role", None),
     ("no-messages", CHAT, chat(messages=[]), 400, "at least 1 item", "messages"),
     ("content-missing", CHAT, chat(messages=[{"role": "user"}]), 400, "needs content", None),
@@ -143,8 +146,9 @@ def test_streaming_requests_are_refused_before_streaming(http: httpx.Client, str
         (b"\xff\xfe garbage", {"content-type": "application/json"}, "not valid JSON"),
         (b"", {"content-type": "application/json"}, "must be a JSON object"),
         (b'{"model": "x"}', {"content-type": "text/plain"}, "Content-Type: application/json"),
+        (NAN_BODY, {"content-type": "application/json"}, "temperature must be a finite number"),
     ],
-    ids=["truncated", "not-utf8", "empty", "wrong-content-type"],
+    ids=["truncated", "not-utf8", "empty", "wrong-content-type", "nan"],
 )
 def test_malformed_body(http: httpx.Client, content: bytes, headers: dict, words: str) -> None:
     response = http.post(COMPLETIONS, content=content, headers=headers)
@@ -215,6 +219,16 @@ def test_api_key(secured: str) -> None:
         OpenAI(base_url=f"{secured}/v1", api_key="wrong", max_retries=0).models.list()
     good = OpenAI(base_url=f"{secured}/v1", api_key="s3cret", max_retries=0)
     assert good.models.list().data[0].id == MODEL_NAME
+
+
+def test_tiny_temperature_samples_greedily(http: httpx.Client) -> None:
+    """Regression: temperature 1e-45 made float32 logits / T overflow to NaN probabilities,
+    and the failed sampling step failed every request in the batch. Below 1e-5 is greedy."""
+    body = completion(max_tokens=6, ignore_eos=True, return_token_ids=True)
+    greedy = http.post(COMPLETIONS, json={**body, "temperature": 0}).json()
+    tiny = http.post(COMPLETIONS, json={**body, "temperature": 1e-45})
+    assert tiny.status_code == 200, tiny.text
+    assert tiny.json()["choices"][0]["token_ids"] == greedy["choices"][0]["token_ids"]
 
 
 def test_engine_failure_is_a_500_without_traceback(
