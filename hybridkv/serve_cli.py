@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from hybridkv.engine_args import add_engine_args, engine_config_from_args
@@ -92,5 +94,17 @@ def run_serve(args: argparse.Namespace) -> int:
         f"http://{args.host}:{args.port}/v1" + (" (API key required)" if args.api_key else ""),
         file=sys.stderr,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the
+    # handler found at start-up; with Python's default SIGINT handler that is a
+    # KeyboardInterrupt thrown into a loop that is closing (a traceback for a clean Ctrl-C).
+    # The server has stopped by then, so the re-raised signal is acknowledged and ignored.
+    previous = signal.signal(signal.SIGINT, _ignore_signal)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     return 0
+
+
+def _ignore_signal(signum: int, frame: FrameType | None) -> None:
+    """Stands in for the default handler while uvicorn owns the signals (see run_serve)."""
