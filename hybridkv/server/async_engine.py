@@ -108,8 +108,11 @@ class AsyncEngine:
                 # it (briefly, rather than spinning a core on an engine with stuck requests).
                 self._wake.wait(IDLE_POLL_S)
                 self._wake.clear()
-        with self._step_lock:  # hand back the pages of what shutdown aborted
-            self.engine.step()
+        try:
+            with self._step_lock:  # hand back the pages of what shutdown aborted
+                self.engine.step()
+        except Exception:
+            logger.exception("engine step at shutdown failed")
 
     def _post(self, callback: Any, arg: Any) -> None:
         assert self._loop is not None
@@ -226,4 +229,5 @@ class RequestStream:
 
     def __del__(self) -> None:  # a stream dropped without close(): never leak its pages
         if not getattr(self, "closed", True):
-            self._owner.abort(self.request_id)
+            with contextlib.suppress(Exception):  # interpreter teardown: nothing to free
+                self._owner.abort(self.request_id)
