@@ -306,7 +306,9 @@ class LLMEngine:
         if params.greedy:
             return None
         seed = params.child_seed(index)
-        return torch.Generator().manual_seed(self._rng.getrandbits(63) if seed is None else seed)
+        if seed is None:
+            seed = self._rng.getrandbits(63)
+        return torch.Generator().manual_seed(seed % (1 << 64))  # torch takes 64-bit seeds
 
     # ------------------------------------------------------------------ the step
 
@@ -326,6 +328,7 @@ class LLMEngine:
             self.num_steps += 1
             try:
                 logits = self.runner.execute(sched.chunks, self.manager)
+                sampled = self._sample(sched.chunks, logits)
             except Exception as exc:  # never leave sequences holding pages after a crash
                 logger.exception("model step failed")
                 for chunk in sched.chunks:
@@ -334,7 +337,7 @@ class LLMEngine:
                     self.scheduler.finish(chunk.seq, "abort")
                     touched[req.request_id] = req
             else:
-                self._postprocess(sched.chunks, logits, touched)
+                self._postprocess(sched.chunks, sampled, touched)
         for req in touched.values():
             if req.finished:
                 outputs.append(self._finish_request(req))
@@ -342,20 +345,26 @@ class LLMEngine:
                 outputs.append(self._output(req))
         return outputs
 
+    def _sample(
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor
+    ) -> dict[int, SampledToken]:
+        """The next token of every chunk that reached the end of its known tokens."""
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        if not rows:
+            return {}
+        params = [chunks[i].seq.params for i in rows]
+        gens = [
+            self._requests[chunks[i].seq.request_id].generators[chunks[i].seq.index] for i in rows
+        ]
+        return dict(zip(rows, sample(logits[rows], params, gens), strict=True))
+
     def _postprocess(
-        self, chunks: list[ScheduledChunk], logits: torch.Tensor, touched: dict[str, _Request]
+        self,
+        chunks: list[ScheduledChunk],
+        sampled: dict[int, SampledToken],
+        touched: dict[str, _Request],
     ) -> None:
         now = time.monotonic()
-        rows = [i for i, c in enumerate(chunks) if c.samples]
-        sampled: dict[int, SampledToken] = {}
-        if rows:
-            params = [chunks[i].seq.params for i in rows]
-            gens = [
-                self._requests[chunks[i].seq.request_id].generators[chunks[i].seq.index]
-                for i in rows
-            ]
-            for i, token in zip(rows, sample(logits[rows], params, gens), strict=True):
-                sampled[i] = token
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
             req = self._requests[seq.request_id]
@@ -434,7 +443,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict[str, Any]:
-        """Counters and cache occupancy (what /metrics and ``LLM.stats()`` report)."""
+        """Counters and cache occupancy (what /metrics and ``LLM.stats()`` report).
+
+        Reads state that ``step`` changes: call it from the stepping thread, or hold the
+        same lock around both (the server does).
+        """
         mgr = self.manager
         layout = mgr.layout
         groups = []

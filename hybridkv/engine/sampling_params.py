@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20  # top alternatives returned per token, as OpenAI's API caps it
+GREEDY_BELOW = 1e-5  # vLLM's rule: a smaller temperature is greedy (1/T would overflow)
+SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
 
 
 def _is_int(value: object) -> bool:
@@ -29,7 +31,7 @@ class SamplingParams:
     Attributes:
         n: completions per prompt (they share the prompt's prefix-cache pages).
         max_tokens: tokens to generate at most; None: until max_model_len.
-        temperature: 0 is greedy (argmax); higher flattens the distribution.
+        temperature: 0 (or below 1e-5) is greedy (argmax); higher flattens the distribution.
         top_p: nucleus sampling, keep the smallest set of tokens with mass >= top_p.
         top_k: keep the k most likely tokens; 0 or -1 keeps all.
         min_p: drop tokens less likely than min_p times the most likely one.
@@ -73,8 +75,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (
+            not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]
+        ):
+            raise ValueError(f"seed must be a 64-bit integer or None, got {self.seed!r}")
         self.stop_strings = self._check_stop(self.stop)
         if self.stop_token_ids is not None:
             ids = self.stop_token_ids
@@ -104,7 +108,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def child_seed(self, index: int) -> int | None:
         """Seed of the ``index``-th of n completions: distinct, and reproducible."""

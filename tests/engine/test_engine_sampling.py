@@ -48,6 +48,21 @@ def test_top_k_one_and_tiny_top_p_are_greedy(llm: LLM) -> None:
         assert tokens_of(llm, [ids(4)], params) == greedy
 
 
+def test_tiny_temperature_is_greedy(llm: LLM) -> None:
+    """Regression: T = 1e-45 made 1/T overflow to NaN probabilities and failed the batch."""
+    greedy = tokens_of(llm, [ids(4)], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    tiny = SamplingParams(max_tokens=6, temperature=1e-45, ignore_eos=True)
+    assert tokens_of(llm, [ids(4)], tiny) == greedy
+
+
+def test_largest_seeds_work(llm: LLM) -> None:
+    """Regression: a seed near 2**64 (and its n > 1 children) overflowed in step()."""
+    params = SamplingParams(n=2, max_tokens=3, seed=(1 << 64) - 1, ignore_eos=True)
+    out = llm.generate([ids(4)], params, use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [3, 3]
+    assert not llm.engine.has_unfinished_requests()
+
+
 def test_n_completions(llm: LLM) -> None:
     params = SamplingParams(n=3, max_tokens=10, temperature=1.0, seed=11, ignore_eos=True)
     out = llm.generate([ids(5)], params, use_tqdm=False)[0]
@@ -165,6 +180,7 @@ def test_chat_uses_the_template(llm: LLM) -> None:
         ({"top_k": -2}, "top_k"),
         ({"min_p": 2.0}, "min_p"),
         ({"seed": "x"}, "seed"),
+        ({"seed": 1 << 64}, "seed"),  # regression: overflowed torch's manual_seed inside step
         ({"stop": [""]}, "stop"),
         ({"stop": 3}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
