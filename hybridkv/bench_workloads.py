@@ -184,6 +184,7 @@ class BenchResult:
     total_tokens_per_s: float
     ttft_mean_s: float
     ttft_p95_s: float
+    ttft_mean_steps: float  # engine steps from submission to first token: load-independent
     prefix_cache_queries: int  # tokens looked up (re-admissions after preemption included)
     prefix_cache_hits: int
     prefix_cache_hit_rate: float
@@ -221,6 +222,8 @@ class _Replay:
         self.order = len(requests)
         self.step = 0
         self.finished: dict[str, RequestOutput] = {}
+        self.submitted_step: dict[str, int] = {}
+        self.first_token_step: dict[str, int] = {}
 
     def submit_due(self, temperature: float) -> None:
         from hybridkv.engine import SamplingParams
@@ -231,6 +234,11 @@ class _Replay:
                 max_tokens=r.max_tokens, temperature=temperature, ignore_eos=True
             )
             self.engine.add_request(r.req_id, {"prompt_token_ids": list(prompt)}, params)
+            self.submitted_step[r.req_id] = self.step
+
+    def on_output(self, out: RequestOutput) -> None:
+        if out.outputs[0].token_ids and out.request_id not in self.first_token_step:
+            self.first_token_step[out.request_id] = self.step
 
     def on_finished(self, out: RequestOutput) -> None:
         if out.error is not None:
@@ -269,12 +277,14 @@ def run_workload(
         outputs = engine.step()
         replay.step += 1
         for out in outputs:
+            replay.on_output(out)
             if out.finished:
                 replay.on_finished(out)
                 if on_finish is not None:
                     on_finish(out)
     elapsed = time.perf_counter() - start
-    return _result(engine, before, replay.finished, elapsed, replay.step)
+    steps = [replay.first_token_step[i] - replay.submitted_step[i] for i in replay.finished]
+    return _result(engine, before, replay.finished, elapsed, replay.step, steps)
 
 
 def _result(
@@ -283,6 +293,7 @@ def _result(
     finished: dict[str, RequestOutput],
     elapsed: float,
     num_steps: int,
+    ttft_steps: list[int],
 ) -> BenchResult:
     after = engine.stats()
     outs = list(finished.values())
@@ -303,6 +314,7 @@ def _result(
         total_tokens_per_s=(prompt_tokens + output_tokens) / elapsed,
         ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
         ttft_p95_s=percentile(ttfts, 95),
+        ttft_mean_steps=sum(ttft_steps) / len(ttft_steps) if ttft_steps else 0.0,
         prefix_cache_queries=queries,
         prefix_cache_hits=hits,
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
