@@ -13,8 +13,9 @@ live page; the model reads and writes the state there in place), ``has_initial_s
 False for a fresh state page. Snapshots and restores are page copies the engine does on the
 arena between steps; the model never allocates cache memory.
 
-Adding an architecture: subclass :class:`.base.CausalLM` (build ``self.model`` as a
-:class:`.base.DecoderStack` whose layers are called ``layer(x [T, H], batch, views)``),
+Adding an architecture: subclass :class:`.base.CausalLM` (build ``self.model`` with
+``build_model(layers, norm)``; layers are called ``layer(x [T, H], batch, views)``, and
+:mod:`.common` has the attention config, the pre-norm layer and the hybrid layer loop),
 override ``remap_weight_name`` / ``split_weight`` when checkpoint names differ, and add the
 model_type to :mod:`.registry`. Mixers look up their cache with ``views.attn(i)`` or
 ``views.state(i)`` and the page ids with ``view.group_id``.

@@ -11,17 +11,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from torch import Tensor, nn
-
 from hybridkv.core.spec import ModelSpec, RecurrentStateSpec
-from hybridkv.layers.attention import AttentionConfig, PagedAttention
+from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.mamba2 import Mamba2Config, Mamba2Mixer, parse_dt_limit
 from hybridkv.layers.mlp import GatedMLP
 from hybridkv.layers.norm import RMSNorm
-from hybridkv.layers.rope import rope_settings
-from hybridkv.models.base import CausalLM, DecoderStack
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
+from hybridkv.models.base import CausalLM
+from hybridkv.models.common import PreNormDecoderLayer, attention_config_from, hybrid_layers
 
 
 def state_specs(spec: ModelSpec) -> dict[int, RecurrentStateSpec]:
@@ -49,38 +45,8 @@ def mamba2_mixer(
     return Mamba2Mixer(Mamba2Config.from_spec(state, **{**settings, **options}), layer_index)
 
 
-def rope_attention_config(cfg: Mapping[str, Any], **options: Any) -> AttentionConfig:
-    """Llama-style GQA attention with RoPE (partial when ``partial_rotary_factor`` says so)."""
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    rotary_dim, theta = rope_settings(cfg, head_dim)
-    settings: dict[str, Any] = {
-        "hidden_size": hidden,
-        "num_heads": heads,
-        "num_kv_heads": int(cfg.get("num_key_value_heads") or heads),
-        "head_dim": head_dim,
-        "rotary_dim": rotary_dim,
-        "rope_theta": theta,
-        "bias": bool(cfg.get("attention_bias", False)),
-    }
-    return AttentionConfig(**{**settings, **options})
-
-
-class BambaDecoderLayer(nn.Module):
+class BambaDecoderLayer(PreNormDecoderLayer):
     """``x + mixer(norm(x))``, then ``x + feed_forward(norm(x))``; mixer named as on disk."""
-
-    def __init__(self, mixer: nn.Module, mlp: nn.Module, hidden: int, eps: float) -> None:
-        super().__init__()
-        self.mixer_name = "mamba" if isinstance(mixer, Mamba2Mixer) else "self_attn"
-        self.add_module(self.mixer_name, mixer)
-        self.feed_forward = mlp
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.pre_ff_layernorm = RMSNorm(hidden, eps)
-
-    def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
-        mixer = getattr(self, self.mixer_name)
-        x = x + mixer(self.input_layernorm(x), batch, views)
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
 class BambaForCausalLM(CausalLM):
@@ -90,23 +56,22 @@ class BambaForCausalLM(CausalLM):
         super().__init__(cfg, spec)
         hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
         states = state_specs(spec)
-        layers = []
-        for i in range(spec.num_layers):
-            mixer: nn.Module
-            if i in states:
-                mixer = mamba2_mixer(cfg, states[i], i)
-            else:
-                mixer = PagedAttention(rope_attention_config(cfg), i)
-            mlp = GatedMLP(
-                hidden,
-                int(cfg["intermediate_size"]),
-                str(cfg.get("hidden_act", "silu")),
-                bias=bool(cfg.get("mlp_bias", False)),
-            )
-            layers.append(BambaDecoderLayer(mixer, mlp, hidden, eps))
-        vocab = int(cfg["vocab_size"])
-        self.model = DecoderStack(vocab, hidden, layers, RMSNorm(hidden, eps))
-        self.finish_init(vocab, hidden)
+        layers = hybrid_layers(
+            spec,
+            recurrent=lambda i: mamba2_mixer(cfg, states[i], i),
+            attention=lambda i: PagedAttention(attention_config_from(cfg), i),
+            decoder_layer=lambda mixer, i: BambaDecoderLayer(mixer, self._mlp(), hidden, eps),
+        )
+        self.build_model(layers, RMSNorm(hidden, eps))
+
+    def _mlp(self) -> GatedMLP:
+        cfg = self.cfg
+        return GatedMLP(
+            int(cfg["hidden_size"]),
+            int(cfg["intermediate_size"]),
+            str(cfg.get("hidden_act", "silu")),
+            bias=bool(cfg.get("mlp_bias", False)),
+        )
 
     def remap_weight_name(self, name: str) -> str | None:
         if name.startswith("model.final_layernorm."):

@@ -31,8 +31,8 @@ class DecoderStack(nn.Module):
 class CausalLM(nn.Module):
     """Base of every architecture: forward over a ForwardBatch, load weights by name.
 
-    Subclasses build ``self.model`` (a :class:`DecoderStack`) in ``__init__`` and call
-    :meth:`finish_init`. Each decoder layer is called as ``layer(hidden [T, H], batch, views)``.
+    Subclasses build ``self.model`` (a :class:`DecoderStack`) in ``__init__`` with
+    :meth:`build_model`. Each decoder layer is called as ``layer(hidden [T, H], batch, views)``.
     """
 
     model: DecoderStack
@@ -42,6 +42,12 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.spec = spec
         self.tie_word_embeddings = bool(cfg.get("tie_word_embeddings", False))
+
+    def build_model(self, layers: list[nn.Module], norm: nn.Module) -> None:
+        """``self.model`` from the decoder layers and the final norm, then the LM head."""
+        vocab, hidden = int(self.cfg["vocab_size"]), int(self.cfg["hidden_size"])
+        self.model = DecoderStack(vocab, hidden, layers, norm)
+        self.finish_init(vocab, hidden)
 
     def finish_init(self, vocab_size: int, hidden_size: int) -> None:
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)

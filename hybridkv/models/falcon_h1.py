@@ -24,14 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.core.spec import ModelSpec
-from hybridkv.layers.attention import AttentionConfig, PagedAttention
+from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from hybridkv.layers.mlp import GatedMLP
 from hybridkv.layers.norm import RMSNorm
-from hybridkv.layers.rope import rope_settings
-from hybridkv.models.base import CausalLM, DecoderStack
+from hybridkv.models.base import CausalLM
 from hybridkv.models.batch import ForwardBatch
 from hybridkv.models.cache import CacheViews
+from hybridkv.models.common import attention_config_from
 
 
 def _float(value: Any) -> float:
@@ -118,21 +118,6 @@ def falcon_mamba(cfg: Mapping[str, Any], layer_index: int) -> Mamba2Mixer:
     return mixer
 
 
-def falcon_attention_config(cfg: Mapping[str, Any]) -> AttentionConfig:
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    rotary_dim, theta = rope_settings(cfg, head_dim)
-    return AttentionConfig(
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rotary_dim=rotary_dim,
-        rope_theta=theta,
-        bias=bool(cfg.get("attention_bias", False)),
-    )
-
-
 class FalconH1DecoderLayer(nn.Module):
     """Attention ∥ Mamba2 on the same normed input, summed into the residual; then the MLP."""
 
@@ -140,7 +125,7 @@ class FalconH1DecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-5))
         self.mamba = falcon_mamba(cfg, layer_index)
-        self.self_attn = PagedAttention(falcon_attention_config(cfg), layer_index)
+        self.self_attn = PagedAttention(attention_config_from(cfg), layer_index)
         self.feed_forward = GatedMLP(
             hidden,
             int(cfg["intermediate_size"]),
@@ -161,9 +146,7 @@ class FalconH1ForCausalLM(CausalLM):
         super().__init__(cfg, spec)
         hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-5))
         layers = [FalconH1DecoderLayer(cfg, i) for i in range(spec.num_layers)]
-        vocab = int(cfg["vocab_size"])
-        self.model = DecoderStack(vocab, hidden, layers, RMSNorm(hidden, eps))
-        self.finish_init(vocab, hidden)
+        self.build_model(layers, RMSNorm(hidden, eps))
         self.embedding_multiplier = float(cfg.get("embedding_multiplier", 1.0))
         self.lm_head_multiplier = float(cfg.get("lm_head_multiplier", 1.0))
 

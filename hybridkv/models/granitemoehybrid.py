@@ -26,10 +26,11 @@ from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import activation
 from hybridkv.layers.norm import RMSNorm
-from hybridkv.models.bamba import mamba2_mixer, rope_attention_config, state_specs
-from hybridkv.models.base import CausalLM, DecoderStack
+from hybridkv.models.bamba import mamba2_mixer, state_specs
+from hybridkv.models.base import CausalLM
 from hybridkv.models.batch import ForwardBatch
 from hybridkv.models.cache import CacheViews
+from hybridkv.models.common import attention_config_from, hybrid_layers
 
 
 class FusedLinear(nn.Module):
@@ -121,18 +122,18 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         self.embedding_multiplier = float(cfg.get("embedding_multiplier", 1.0))
         self.logits_scaling = float(cfg.get("logits_scaling", 1.0))
         states = state_specs(spec)
-        layers = [
-            GraniteMoeHybridDecoderLayer(
-                mamba2_mixer(cfg, states[i], i) if i in states else self._attention(i),
+        layers = hybrid_layers(
+            spec,
+            recurrent=lambda i: mamba2_mixer(cfg, states[i], i),
+            attention=self._attention,
+            decoder_layer=lambda mixer, i: GraniteMoeHybridDecoderLayer(
+                mixer,
                 self._moe(),
                 SharedMLP(hidden, int(cfg["shared_intermediate_size"]), self._act),
                 cfg,
-            )
-            for i in range(spec.num_layers)
-        ]
-        vocab = int(cfg["vocab_size"])
-        self.model = DecoderStack(vocab, hidden, layers, RMSNorm(hidden, eps))
-        self.finish_init(vocab, hidden)
+            ),
+        )
+        self.build_model(layers, RMSNorm(hidden, eps))
 
     @property
     def _act(self) -> str:
@@ -143,7 +144,7 @@ class GraniteMoeHybridForCausalLM(CausalLM):
         options: dict[str, Any] = {"scale": float(cfg.get("attention_multiplier", 1.0))}
         if cfg.get("position_embedding_type") != "rope":
             options["rotary_dim"] = 0
-        return PagedAttention(rope_attention_config(cfg, **options), index)
+        return PagedAttention(attention_config_from(cfg, **options), index)
 
     def _moe(self) -> GraniteMoE | None:
         cfg = self.cfg

@@ -13,16 +13,15 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from hybridkv.core.spec import ModelSpec
 from hybridkv.layers.attention import AttentionConfig, PagedAttention
 from hybridkv.layers.mamba1 import Mamba1Config, Mamba1Mixer
 from hybridkv.layers.mlp import GatedMLP, SparseMoE
 from hybridkv.layers.norm import RMSNorm
-from hybridkv.models.base import CausalLM, DecoderStack
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
+from hybridkv.models.base import CausalLM
+from hybridkv.models.common import PreNormDecoderLayer, attention_config_from, hybrid_layers
 
 _RENAMES = (
     ("model.final_layernorm.", "model.norm."),
@@ -48,47 +47,26 @@ def jamba_mamba_config(cfg: Mapping[str, Any]) -> Mamba1Config:
 
 
 def jamba_attention_config(cfg: Mapping[str, Any]) -> AttentionConfig:
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    return AttentionConfig(
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=int(cfg.get("head_dim") or hidden // heads),
-    )
+    return attention_config_from(cfg, rope=False, bias=False)  # JambaAttention: no RoPE, no bias
 
 
-class JambaDecoderLayer(nn.Module):
+class JambaDecoderLayer(PreNormDecoderLayer):
     """``x + mixer(input_layernorm(x))``, then ``x + feed_forward(pre_ff_layernorm(x))``."""
-
-    def __init__(self, mixer: nn.Module, feed_forward: nn.Module, hidden: int, eps: float):
-        super().__init__()
-        self.mixer_name = "mamba" if isinstance(mixer, Mamba1Mixer) else "self_attn"
-        self.add_module(self.mixer_name, mixer)
-        self.feed_forward = feed_forward
-        self.input_layernorm = RMSNorm(hidden, eps)
-        self.pre_ff_layernorm = RMSNorm(hidden, eps)
-
-    def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
-        x = x + getattr(self, self.mixer_name)(self.input_layernorm(x), batch, views)
-        return x + self.feed_forward(self.pre_ff_layernorm(x))
 
 
 class JambaForCausalLM(CausalLM):
     def __init__(self, cfg: Mapping[str, Any], spec: ModelSpec) -> None:
         super().__init__(cfg, spec)
         hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
-        recurrent = {c.layer_index for c in spec.layers if c.name == "state"}
-        layers = []
-        for i in range(spec.num_layers):
-            mixer: nn.Module
-            if i in recurrent:
-                mixer = Mamba1Mixer(jamba_mamba_config(cfg), i)
-            else:
-                mixer = PagedAttention(jamba_attention_config(cfg), i)
-            layers.append(JambaDecoderLayer(mixer, self.make_feed_forward(i), hidden, eps))
-        vocab = int(cfg["vocab_size"])
-        self.model = DecoderStack(vocab, hidden, layers, RMSNorm(hidden, eps))
-        self.finish_init(vocab, hidden)
+        layers = hybrid_layers(
+            spec,
+            recurrent=lambda i: Mamba1Mixer(jamba_mamba_config(cfg), i),
+            attention=lambda i: PagedAttention(jamba_attention_config(cfg), i),
+            decoder_layer=lambda mixer, i: JambaDecoderLayer(
+                mixer, self.make_feed_forward(i), hidden, eps
+            ),
+        )
+        self.build_model(layers, RMSNorm(hidden, eps))
 
     def make_feed_forward(self, layer_index: int) -> nn.Module:
         cfg = self.cfg

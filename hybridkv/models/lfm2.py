@@ -24,11 +24,9 @@ from hybridkv.core.spec import ModelSpec
 from hybridkv.layers.attention import AttentionConfig, PagedAttention
 from hybridkv.layers.mlp import SparseMoE
 from hybridkv.layers.norm import RMSNorm
-from hybridkv.layers.rope import rope_settings
 from hybridkv.layers.short_conv import ShortConv
-from hybridkv.models.base import CausalLM, DecoderStack
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
+from hybridkv.models.base import CausalLM
+from hybridkv.models.common import PreNormDecoderLayer, attention_config_from, hybrid_layers
 
 _RENAMES = (
     ("model.embedding_norm.", "model.norm."),
@@ -67,35 +65,19 @@ class Lfm2MLP(nn.Module):
 
 
 def lfm2_attention_config(cfg: Mapping[str, Any]) -> AttentionConfig:
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    rotary_dim, theta = rope_settings(cfg, head_dim)
-    return AttentionConfig(
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rotary_dim=rotary_dim,
-        rope_theta=theta,
+    return attention_config_from(
+        cfg,
         qk_norm=RMSNorm,
         norm_eps=float(cfg.get("norm_eps", 1e-5)),
+        bias=False,  # Lfm2Attention has no projection bias
     )
 
 
-class Lfm2DecoderLayer(nn.Module):
+class Lfm2DecoderLayer(PreNormDecoderLayer):
     """Pre-norm block; the mixer sits under ``conv`` or ``self_attn`` as in the checkpoints."""
 
-    def __init__(self, mixer: nn.Module, feed_forward: nn.Module, hidden: int, eps: float):
-        super().__init__()
-        self.mixer_name = "conv" if isinstance(mixer, ShortConv) else "self_attn"
-        self.add_module(self.mixer_name, mixer)
-        self.feed_forward = feed_forward
-        self.operator_norm = RMSNorm(hidden, eps)
-        self.ffn_norm = RMSNorm(hidden, eps)
-
-    def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
-        x = x + getattr(self, self.mixer_name)(self.operator_norm(x), batch, views)
-        return x + self.feed_forward(self.ffn_norm(x))
+    recurrent_name = "conv"
+    norm_names = ("operator_norm", "ffn_norm")
 
 
 class Lfm2ForCausalLM(CausalLM):
@@ -104,19 +86,16 @@ class Lfm2ForCausalLM(CausalLM):
     def __init__(self, cfg: Mapping[str, Any], spec: ModelSpec) -> None:
         super().__init__(cfg, spec)
         hidden, eps = int(cfg["hidden_size"]), float(cfg.get("norm_eps", 1e-5))
-        recurrent = {c.layer_index for c in spec.layers if c.name == "state"}
         kernel, bias = int(cfg.get("conv_L_cache", 3)), bool(cfg.get("conv_bias", False))
-        layers = []
-        for i in range(spec.num_layers):
-            mixer: nn.Module
-            if i in recurrent:
-                mixer = ShortConv(hidden, kernel, bias, i)
-            else:
-                mixer = PagedAttention(lfm2_attention_config(cfg), i)
-            layers.append(Lfm2DecoderLayer(mixer, self.make_feed_forward(i), hidden, eps))
-        vocab = int(cfg["vocab_size"])
-        self.model = DecoderStack(vocab, hidden, layers, RMSNorm(hidden, eps))
-        self.finish_init(vocab, hidden)
+        layers = hybrid_layers(
+            spec,
+            recurrent=lambda i: ShortConv(hidden, kernel, bias, i),
+            attention=lambda i: PagedAttention(lfm2_attention_config(cfg), i),
+            decoder_layer=lambda mixer, i: Lfm2DecoderLayer(
+                mixer, self.make_feed_forward(i), hidden, eps
+            ),
+        )
+        self.build_model(layers, RMSNorm(hidden, eps))
 
     def make_feed_forward(self, layer_index: int) -> nn.Module:
         return Lfm2MLP(int(self.cfg["hidden_size"]), lfm2_ff_size(self.cfg))

@@ -21,11 +21,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.core.spec import ModelSpec
-from hybridkv.layers.attention import AttentionConfig, PagedAttention
+from hybridkv.layers.attention import PagedAttention
 from hybridkv.models.bamba import mamba2_mixer, state_specs
-from hybridkv.models.base import CausalLM, DecoderStack
+from hybridkv.models.base import CausalLM
 from hybridkv.models.batch import ForwardBatch
 from hybridkv.models.cache import CacheViews
+from hybridkv.models.common import attention_config_from
 
 _LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _WORDS = {
@@ -164,9 +165,7 @@ class NemotronHForCausalLM(CausalLM):
             NemotronHBlock(self._mixer(kind, i, states), hidden, eps)
             for i, kind in enumerate(block_types(cfg))
         ]
-        vocab = int(cfg["vocab_size"])
-        self.model = DecoderStack(vocab, hidden, layers, Fp32RMSNorm(hidden, eps))
-        self.finish_init(vocab, hidden)
+        self.build_model(layers, Fp32RMSNorm(hidden, eps))
 
     def _mixer(self, kind: str, index: int, states: dict) -> nn.Module:
         cfg, hidden = self.cfg, int(self.cfg["hidden_size"])
@@ -183,15 +182,8 @@ class NemotronHForCausalLM(CausalLM):
                 dt_limit=(float(cfg.get("time_step_min", 0.001)), float("inf")),
                 clamp_dt_in_step=False,
             )
-        if kind == "attention":
-            heads = int(cfg["num_attention_heads"])
-            attn = AttentionConfig(
-                hidden_size=hidden,
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-            )
-            return PagedAttention(attn, index)
+        if kind == "attention":  # NemotronHAttention here: no positional encoding, no bias
+            return PagedAttention(attention_config_from(cfg, rope=False, bias=False), index)
         if kind == "moe":
             return NemotronHMoE(cfg, hidden)
         intermediate = int(cfg["intermediate_size"])

@@ -18,29 +18,18 @@ from hybridkv.layers.attention import AttentionConfig, PagedAttention
 from hybridkv.layers.gated_deltanet import GatedDeltaNet, GDNConfig, Qwen3NextGatedDeltaNet
 from hybridkv.layers.mlp import GatedMLP, SparseMoE
 from hybridkv.layers.norm import ZeroCenteredRMSNorm
-from hybridkv.layers.rope import rope_settings
-from hybridkv.models.base import CausalLM, DecoderStack
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
+from hybridkv.models.base import CausalLM
+from hybridkv.models.common import PreNormDecoderLayer, attention_config_from, hybrid_layers
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
 
 
 def attention_config(cfg: Mapping[str, Any]) -> AttentionConfig:
-    hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-    head_dim = int(cfg.get("head_dim") or hidden // heads)
-    rotary_dim, theta = rope_settings(cfg, head_dim)
-    return AttentionConfig(
-        hidden_size=hidden,
-        num_heads=heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rotary_dim=rotary_dim,
-        rope_theta=theta,
+    return attention_config_from(
+        cfg,
         qk_norm=ZeroCenteredRMSNorm,
         norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         output_gate=bool(cfg.get("attn_output_gate", True)),
-        bias=bool(cfg.get("attention_bias", False)),
     )
 
 
@@ -68,24 +57,16 @@ def moe_block(cfg: Mapping[str, Any], norm_topk_prob: bool) -> SparseMoE:
     )
 
 
-class QwenHybridDecoderLayer(nn.Module):
+class QwenHybridDecoderLayer(PreNormDecoderLayer):
     """Pre-norm block: ``x + mixer(norm(x))``, then ``x + mlp(norm(x))``.
 
     The mixer sits under the checkpoint's name: ``linear_attn`` (GDN) or ``self_attn``.
     """
 
-    def __init__(self, mixer: nn.Module, mlp: nn.Module, hidden: int, eps: float) -> None:
-        super().__init__()
-        self.mixer_name = "linear_attn" if isinstance(mixer, GatedDeltaNet) else "self_attn"
-        self.add_module(self.mixer_name, mixer)
-        self.mlp = mlp
-        self.input_layernorm = ZeroCenteredRMSNorm(hidden, eps)
-        self.post_attention_layernorm = ZeroCenteredRMSNorm(hidden, eps)
-
-    def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
-        mixer = getattr(self, self.mixer_name)
-        x = x + mixer(self.input_layernorm(x), batch, views)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    recurrent_name = "linear_attn"
+    feed_forward_name = "mlp"
+    norm_names = ("input_layernorm", "post_attention_layernorm")
+    norm_class = ZeroCenteredRMSNorm
 
 
 class QwenHybridForCausalLM(CausalLM):
@@ -96,18 +77,15 @@ class QwenHybridForCausalLM(CausalLM):
     def __init__(self, cfg: Mapping[str, Any], spec: ModelSpec) -> None:
         super().__init__(cfg, spec)
         hidden, eps = int(cfg["hidden_size"]), float(cfg.get("rms_norm_eps", 1e-6))
-        recurrent = {c.layer_index for c in spec.layers if c.name == "state"}
-        layers = []
-        for i in range(spec.num_layers):
-            mixer: nn.Module
-            if i in recurrent:
-                mixer = self.gdn_class(gdn_config(cfg), i)
-            else:
-                mixer = PagedAttention(attention_config(cfg), i)
-            layers.append(QwenHybridDecoderLayer(mixer, self.make_mlp(i), hidden, eps))
-        vocab = int(cfg["vocab_size"])
-        self.model = DecoderStack(vocab, hidden, layers, ZeroCenteredRMSNorm(hidden, eps))
-        self.finish_init(vocab, hidden)
+        layers = hybrid_layers(
+            spec,
+            recurrent=lambda i: self.gdn_class(gdn_config(cfg), i),
+            attention=lambda i: PagedAttention(attention_config(cfg), i),
+            decoder_layer=lambda mixer, i: QwenHybridDecoderLayer(
+                mixer, self.make_mlp(i), hidden, eps
+            ),
+        )
+        self.build_model(layers, ZeroCenteredRMSNorm(hidden, eps))
 
     def make_mlp(self, layer_index: int) -> nn.Module:
         """Qwen3-Next: MoE every ``decoder_sparse_step`` layers unless in ``mlp_only_layers``."""

@@ -34,11 +34,12 @@ from hybridkv.core.spec import AttentionSpec, ModelSpec
 from hybridkv.layers.attention import AttentionConfig, PagedAttention
 from hybridkv.layers.mlp import activation
 from hybridkv.layers.norm import RMSNorm
-from hybridkv.layers.rope import RotaryEmbedding, rope_settings
+from hybridkv.layers.rope import RotaryEmbedding
 from hybridkv.models.bamba import mamba2_mixer, state_specs
-from hybridkv.models.base import CausalLM, DecoderStack
+from hybridkv.models.base import CausalLM
 from hybridkv.models.batch import ForwardBatch
 from hybridkv.models.cache import CacheViews
+from hybridkv.models.common import attention_config_from
 
 # model.layers.<i>.shared_transformer.<rest> on disk
 _SHARED = re.compile(r"model\.layers\.(\d+)\.shared_transformer\.(.+)")
@@ -196,15 +197,15 @@ class Zamba2HybridLayer(nn.Module):
 def zamba2_attention_config(cfg: Mapping[str, Any], kv: AttentionSpec) -> AttentionConfig:
     """Attention over ``2 * hidden``; heads and head size from the layer's KV spec."""
     head_dim = kv.head_dim  # 2 * hidden / heads (core: ``attention_head_dim``)
-    rotary_dim, theta = rope_settings(cfg, head_dim)
-    return AttentionConfig(
-        hidden_size=2 * int(cfg["hidden_size"]),
-        num_heads=int(cfg["num_attention_heads"]),
-        num_kv_heads=kv.num_kv_heads,
+    no_rope = {} if cfg.get("use_mem_rope", False) else {"rotary_dim": 0}
+    return attention_config_from(
+        cfg,
         head_dim=head_dim,
-        rotary_dim=rotary_dim if cfg.get("use_mem_rope", False) else 0,
-        rope_theta=theta,
+        hidden_size=2 * int(cfg["hidden_size"]),
+        num_kv_heads=kv.num_kv_heads,
         scale=(head_dim / 2) ** -0.5,  # Zamba2Attention: sqrt(head_dim / 2)
+        bias=False,
+        **no_rope,
     )
 
 
@@ -235,9 +236,7 @@ class Zamba2ForCausalLM(CausalLM):
                 blocks.append(SharedBlock.build(cfg, attn))
             shared = Zamba2SharedTransformer(blocks[ordinal % self.num_mem_blocks], attn, i, cfg)
             layers.append(Zamba2HybridLayer(shared, mamba))
-        vocab = int(cfg["vocab_size"])
-        self.model = DecoderStack(vocab, hidden, layers, RMSNorm(hidden, eps))
-        self.finish_init(vocab, hidden)
+        self.build_model(layers, RMSNorm(hidden, eps))
 
     def _mixer(self, state: Any, index: int) -> nn.Module:
         """Zamba2MambaMixer: conv bias always on, norm eps fixed at 1e-5, dt clamped as
