@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_checks import NUM_TOKENS, check_paged_batch, rel_err
+from torch import Tensor
 
 from hybridkv.ops.mamba1 import (
     SelectiveScanParams,
@@ -40,8 +42,20 @@ def make_inputs(seq_len: int, d_inner: int, d_state: int, seed: int = 0) -> dict
     }
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()
+def hf_scan(t: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' full scan from zeros: (y [1, d_inner, T], final state [1, d_inner, N])."""
+    return hf_jamba.mamba_selective_scan(
+        t["x"].T[None],
+        t["dt"].T[None],
+        t["A"],
+        t["B"].T[None],
+        t["C"].T[None],
+        D=t["D"],
+        z=t["z"].T[None],
+        delta_bias=t["dt_bias"],
+        delta_softplus=True,
+        return_last_state=True,
+    )
 
 
 def scan(
@@ -67,18 +81,7 @@ def test_scan_from_zero_matches_transformers(
 ) -> None:
     t = make_inputs(*shape)
     y, final = scan(t, slice_tokens=slice_tokens)
-    want_y, want_final = hf_jamba.mamba_selective_scan(
-        t["x"].T[None],
-        t["dt"].T[None],
-        t["A"],
-        t["B"].T[None],
-        t["C"].T[None],
-        D=t["D"],
-        z=t["z"].T[None],
-        delta_bias=t["dt_bias"],
-        delta_softplus=True,
-        return_last_state=True,
-    )
+    want_y, want_final = hf_scan(t)
     assert rel_err(y, want_y[0].T) <= 1e-5
     assert rel_err(final, want_final[0]) <= 1e-5
 
@@ -113,18 +116,7 @@ def test_split_prefill_equals_unsplit(split: int) -> None:
     t = make_inputs(50, 24, 8, seed=2)
     y1, mid = scan(t, slice(0, split))
     y2, final = scan(t, slice(split, None), initial_state=mid)
-    want_y, want_final = hf_jamba.mamba_selective_scan(
-        t["x"].T[None],
-        t["dt"].T[None],
-        t["A"],
-        t["B"].T[None],
-        t["C"].T[None],
-        D=t["D"],
-        z=t["z"].T[None],
-        delta_bias=t["dt_bias"],
-        delta_softplus=True,
-        return_last_state=True,
-    )
+    want_y, want_final = hf_scan(t)
     assert rel_err(torch.cat([y1, y2]), want_y[0].T) <= 1e-5
     assert rel_err(final, want_final[0]) <= 1e-5
 
@@ -166,18 +158,12 @@ def test_state_update_matches_transformers_on_scattered_rows() -> None:
 
 def test_paged_batch_equals_each_request_alone() -> None:
     """Mixed decodes and prefill chunks, fresh and carried, on a strided page view."""
-    lens, carried, pages = [5, 1, 20, 1], [True, True, False, False], [3, 0, 6, 2]
-    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
-    t = make_inputs(starts[-1], 24, 8, seed=5)
-    view = torch.randn(8, 2, 24, 8)[:, 1]  # [num_pages, d_inner, N], not contiguous
-    before = view.clone()
+    t = make_inputs(NUM_TOKENS, 24, 8, seed=5)
     params = SelectiveScanParams(A=t["A"], D=t["D"], dt_bias=t["dt_bias"])
-    y = selective_scan_paged(
-        t["x"], t["dt"], t["B"], t["C"], t["z"], params, view, torch.tensor(pages), carried, starts
-    )
-    for r, page in enumerate(pages):
-        part = slice(starts[r], starts[r + 1])
-        want_y, want_state = scan(t, part, initial_state=before[page] if carried[r] else None)
-        assert rel_err(y[part], want_y) <= 1e-5
-        assert rel_err(view[page], want_state) <= 1e-5
-    assert torch.equal(view[[1, 4, 5, 7]], before[[1, 4, 5, 7]])
+
+    def run_paged(view: Tensor, pages: Tensor, carried: list[bool], starts: list[int]) -> Tensor:
+        return selective_scan_paged(
+            t["x"], t["dt"], t["B"], t["C"], t["z"], params, view, pages, carried, starts
+        )
+
+    check_paged_batch((24, 8), run_paged, lambda part, init: scan(t, part, initial_state=init))

@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from ops_checks import NUM_TOKENS, check_paged_batch, rel_err
+from torch import Tensor
 
 from hybridkv.ops.mamba2 import SSDParams, ssd_chunk_scan, ssd_paged, ssd_state_update
 
@@ -46,8 +48,20 @@ def make_inputs(
     }
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).abs().max() / want.abs().max().clamp(min=1e-12)).item()
+def scan(
+    t: dict[str, torch.Tensor], part: slice = slice(None), **kw: object
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ssd_chunk_scan` over the tokens ``part`` of ``t``, with its D and dt_bias."""
+    return ssd_chunk_scan(
+        t["x"][part],
+        t["dt"][part],
+        t["A"],
+        t["B"][part],
+        t["C"][part],
+        D=t["D"],
+        dt_bias=t["dt_bias"],
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_ids)
@@ -56,17 +70,7 @@ def test_chunk_scan_matches_transformers(shape: tuple[int, ...], with_state: boo
     *dims, chunk = shape
     t = make_inputs(*dims)
     init = t["state"] if with_state else None
-    y, final = ssd_chunk_scan(
-        t["x"],
-        t["dt"],
-        t["A"],
-        t["B"],
-        t["C"],
-        chunk_size=chunk,
-        D=t["D"],
-        dt_bias=t["dt_bias"],
-        initial_state=init,
-    )
+    y, final = scan(t, chunk_size=chunk, initial_state=init)
     want_y, want_final = hf_bamba.mamba2_chunk_scan(
         t["x"][None],
         t["dt"][None],
@@ -113,18 +117,7 @@ def test_chunk_scan_matches_token_recurrence(
     *dims, chunk = shape
     t = make_inputs(*dims, seed=1)
     want_y, want_final = recurrence(t, dt_limit=dt_limit)
-    y, final = ssd_chunk_scan(
-        t["x"],
-        t["dt"],
-        t["A"],
-        t["B"],
-        t["C"],
-        chunk_size=chunk,
-        D=t["D"],
-        dt_bias=t["dt_bias"],
-        dt_limit=dt_limit,
-        initial_state=t["state"],
-    )
+    y, final = scan(t, chunk_size=chunk, dt_limit=dt_limit, initial_state=t["state"])
     assert rel_err(y, want_y) <= 1e-5
     assert rel_err(final, want_final) <= 1e-5
 
@@ -132,14 +125,9 @@ def test_chunk_scan_matches_token_recurrence(
 @pytest.mark.parametrize("split", [1, 7, 16, 33])
 def test_split_prefill_equals_unsplit(split: int) -> None:
     t = make_inputs(50, 6, 4, 8, 3, seed=2)
-    kw = {"chunk_size": 16, "D": t["D"], "dt_bias": t["dt_bias"]}
-    parts = [slice(0, split), slice(split, None)]
-    args = [(t["x"][s], t["dt"][s], t["A"], t["B"][s], t["C"][s]) for s in parts]
-    y1, mid = ssd_chunk_scan(*args[0], initial_state=t["state"], **kw)
-    y2, final = ssd_chunk_scan(*args[1], initial_state=mid, **kw)
-    want_y, want_final = ssd_chunk_scan(
-        t["x"], t["dt"], t["A"], t["B"], t["C"], initial_state=t["state"], **kw
-    )
+    y1, mid = scan(t, slice(0, split), chunk_size=16, initial_state=t["state"])
+    y2, final = scan(t, slice(split, None), chunk_size=16, initial_state=mid)
+    want_y, want_final = scan(t, chunk_size=16, initial_state=t["state"])
     assert rel_err(torch.cat([y1, y2]), want_y) <= 1e-5
     assert rel_err(final, want_final) <= 1e-5
 
@@ -194,29 +182,13 @@ def test_low_precision_state_page_is_cast_back() -> None:
 def test_paged_batch_equals_each_request_alone() -> None:
     """Mixed decodes and prefill chunks, fresh and carried, on a strided page view."""
     heads, head_dim, d_state, groups = 6, 4, 8, 3
-    lens, carried, pages = [5, 1, 20, 1], [True, True, False, False], [3, 0, 6, 2]
-    starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
-    t = make_inputs(starts[-1], heads, head_dim, d_state, groups, seed=5)
-    arena = torch.randn(8, 2, heads, head_dim, d_state)
-    view = arena[:, 1]  # [num_pages, H, P, N], not contiguous like the arena's views
-    before = view.clone()
+    t = make_inputs(NUM_TOKENS, heads, head_dim, d_state, groups, seed=5)
     params = SSDParams(A=t["A"], D=t["D"], dt_bias=t["dt_bias"], chunk_size=8)
-    y = ssd_paged(
-        t["x"], t["dt"], t["B"], t["C"], params, view, torch.tensor(pages), carried, starts
-    )
-    for r, page in enumerate(pages):
-        part = slice(starts[r], starts[r + 1])
-        want_y, want_state = ssd_chunk_scan(
-            t["x"][part],
-            t["dt"][part],
-            t["A"],
-            t["B"][part],
-            t["C"][part],
-            chunk_size=8,
-            D=t["D"],
-            dt_bias=t["dt_bias"],
-            initial_state=before[page] if carried[r] else None,
-        )
-        assert rel_err(y[part], want_y) <= 1e-5
-        assert rel_err(view[page], want_state) <= 1e-5
-    assert torch.equal(view[[1, 4, 5, 7]], before[[1, 4, 5, 7]])
+
+    def run_paged(view: Tensor, pages: Tensor, carried: list[bool], starts: list[int]) -> Tensor:
+        return ssd_paged(t["x"], t["dt"], t["B"], t["C"], params, view, pages, carried, starts)
+
+    def run_alone(part: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
+        return scan(t, part, chunk_size=8, initial_state=init)
+
+    check_paged_batch((heads, head_dim, d_state), run_paged, run_alone)

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridkv.ops.paged_state import run_on_state_pages
+
 
 def _activate(x: Tensor, activation: str | None) -> Tensor:
     if activation is None:
@@ -96,22 +98,14 @@ def causal_conv1d_paged(
     Returns:
         [T, C]
     """
+
+    def step(rows: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+        return causal_conv1d_update(x[rows], state, weight, bias, activation), state
+
+    def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
+        return causal_conv1d_fn(x[rows], weight, bias, initial, activation)
+
     out = torch.empty_like(x)
-    pages = state_pages.tolist()
-    single = [r for r in range(len(pages)) if starts[r + 1] - starts[r] == 1]
-    if single:
-        rows = torch.tensor([starts[r] for r in single], device=x.device)
-        idx = torch.tensor([pages[r] for r in single], device=x.device)
-        state = conv_pages[idx].to(weight.dtype)  # [B, C, K-1] (gathered copy)
-        fresh = torch.tensor([not has_initial_state[r] for r in single], device=x.device)
-        state[fresh] = 0
-        out[rows] = causal_conv1d_update(x[rows], state, weight, bias, activation)
-        conv_pages[idx] = state.to(conv_pages.dtype)
-    for r, page in enumerate(pages):
-        lo, hi = starts[r], starts[r + 1]
-        if hi - lo < 2:
-            continue
-        initial = conv_pages[page] if has_initial_state[r] else None
-        out[lo:hi], final = causal_conv1d_fn(x[lo:hi], weight, bias, initial, activation)
-        conv_pages[page] = final.to(conv_pages.dtype)
-    return out
+    return run_on_state_pages(
+        out, conv_pages, state_pages, has_initial_state, starts, step, scan, weight.dtype
+    )

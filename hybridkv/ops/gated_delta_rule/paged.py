@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from hybridkv.ops.gated_delta_rule.naive import chunk_gated_delta_rule, recurrent_gated_delta_rule
+from hybridkv.ops.paged_state import run_on_state_pages
 
 
 def gated_delta_rule_paged(
@@ -33,33 +34,23 @@ def gated_delta_rule_paged(
     Returns:
         [T, Hv, Dv] in v's dtype.
     """
-    out = torch.empty_like(v)
-    pages = state_pages.tolist()
-    single = [r for r in range(len(pages)) if starts[r + 1] - starts[r] == 1]
-    if single:
-        rows = torch.tensor([starts[r] for r in single], device=v.device)
-        idx = torch.tensor([pages[r] for r in single], device=v.device)
-        state = ssm_pages[idx].to(torch.float32)  # [B, Hv, Dk, Dv] (gathered copy)
-        fresh = torch.tensor([not has_initial_state[r] for r in single], device=v.device)
-        state[fresh] = 0
+
+    def step(rows: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
         o, final = recurrent_gated_delta_rule(
             q[rows, None], k[rows, None], v[rows, None], g[rows, None], beta[rows, None], state
         )
-        out[rows] = o[:, 0]
-        ssm_pages[idx] = final.to(ssm_pages.dtype)
-    for r, page in enumerate(pages):
-        lo, hi = starts[r], starts[r + 1]
-        if hi - lo < 2:
-            continue
-        initial = ssm_pages[page][None] if has_initial_state[r] else None
+        return o[:, 0], final
+
+    def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
         o, final = chunk_gated_delta_rule(
-            q[None, lo:hi],
-            k[None, lo:hi],
-            v[None, lo:hi],
-            g[None, lo:hi],
-            beta[None, lo:hi],
-            initial,
+            q[None, rows],
+            k[None, rows],
+            v[None, rows],
+            g[None, rows],
+            beta[None, rows],
+            None if initial is None else initial[None],
         )
-        out[lo:hi] = o[0]
-        ssm_pages[page] = final[0].to(ssm_pages.dtype)
-    return out
+        return o[0], final[0]
+
+    out = torch.empty_like(v)
+    return run_on_state_pages(out, ssm_pages, state_pages, has_initial_state, starts, step, scan)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from hybridkv.ops.mamba1.naive import selective_scan, selective_state_update
+from hybridkv.ops.paged_state import run_on_state_pages
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,28 +47,17 @@ def selective_scan_paged(
         [T, d_inner] in x's dtype.
     """
     kw = {"D": params.D, "dt_bias": params.dt_bias}
-    out = torch.empty_like(x)
-    pages = state_pages.tolist()
-    single = [r for r in range(len(pages)) if starts[r + 1] - starts[r] == 1]
-    if single:
-        rows = torch.tensor([starts[r] for r in single], device=x.device)
-        idx = torch.tensor([pages[r] for r in single], device=x.device)
-        state = ssm_pages[idx].to(torch.float32)  # [B, d_inner, N] (gathered copy)
-        fresh = torch.tensor([not has_initial_state[r] for r in single], device=x.device)
-        state[fresh] = 0
+
+    def step(rows: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
         zr = z[rows] if z is not None else None
-        out[rows] = selective_state_update(
-            state, x[rows], dt[rows], params.A, B[rows], C[rows], z=zr, **kw
+        y = selective_state_update(state, x[rows], dt[rows], params.A, B[rows], C[rows], z=zr, **kw)
+        return y, state
+
+    def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
+        zr = z[rows] if z is not None else None
+        return selective_scan(
+            x[rows], dt[rows], params.A, B[rows], C[rows], z=zr, initial_state=initial, **kw
         )
-        ssm_pages[idx] = state.to(ssm_pages.dtype)
-    for r, page in enumerate(pages):
-        lo, hi = starts[r], starts[r + 1]
-        if hi - lo < 2:
-            continue
-        initial = ssm_pages[page] if has_initial_state[r] else None
-        zr = z[lo:hi] if z is not None else None
-        out[lo:hi], final = selective_scan(
-            x[lo:hi], dt[lo:hi], params.A, B[lo:hi], C[lo:hi], z=zr, initial_state=initial, **kw
-        )
-        ssm_pages[page] = final.to(ssm_pages.dtype)
-    return out
+
+    out = torch.empty_like(x)
+    return run_on_state_pages(out, ssm_pages, state_pages, has_initial_state, starts, step, scan)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from hybridkv.ops.mamba2.naive import NO_DT_LIMIT, DtLimit, ssd_chunk_scan, ssd_state_update
+from hybridkv.ops.paged_state import run_on_state_pages
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,34 +50,25 @@ def ssd_paged(
     """
     kw = {"D": params.D, "dt_bias": params.dt_bias}
     step_limit = params.dt_limit if params.step_dt_limit is None else params.step_dt_limit
-    out = torch.empty_like(x)
-    pages = state_pages.tolist()
-    single = [r for r in range(len(pages)) if starts[r + 1] - starts[r] == 1]
-    if single:
-        rows = torch.tensor([starts[r] for r in single], device=x.device)
-        idx = torch.tensor([pages[r] for r in single], device=x.device)
-        state = ssm_pages[idx].to(torch.float32)  # [B, H, P, N] (gathered copy)
-        fresh = torch.tensor([not has_initial_state[r] for r in single], device=x.device)
-        state[fresh] = 0
-        out[rows] = ssd_state_update(
+
+    def step(rows: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+        y = ssd_state_update(
             state, x[rows], dt[rows], params.A, B[rows], C[rows], dt_limit=step_limit, **kw
         )
-        ssm_pages[idx] = state.to(ssm_pages.dtype)
-    for r, page in enumerate(pages):
-        lo, hi = starts[r], starts[r + 1]
-        if hi - lo < 2:
-            continue
-        initial = ssm_pages[page] if has_initial_state[r] else None
-        out[lo:hi], final = ssd_chunk_scan(
-            x[lo:hi],
-            dt[lo:hi],
+        return y, state
+
+    def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
+        return ssd_chunk_scan(
+            x[rows],
+            dt[rows],
             params.A,
-            B[lo:hi],
-            C[lo:hi],
+            B[rows],
+            C[rows],
             chunk_size=params.chunk_size,
             dt_limit=params.dt_limit,
             initial_state=initial,
             **kw,
         )
-        ssm_pages[page] = final.to(ssm_pages.dtype)
-    return out
+
+    out = torch.empty_like(x)
+    return run_on_state_pages(out, ssm_pages, state_pages, has_initial_state, starts, step, scan)
