@@ -88,6 +88,7 @@ def print_result(workload: str, model: str, r: BenchResult) -> None:
     table.add_row("total tokens/s (prompt + output)", f"{r.total_tokens_per_s:,.1f}")
     table.add_row("time to first token, mean", f"{1000 * r.ttft_mean_s:,.1f} ms")
     table.add_row("time to first token, p95", f"{1000 * r.ttft_p95_s:,.1f} ms")
+    table.add_row("time to first token, mean engine steps", f"{r.ttft_mean_steps:.2f}")
     table.add_row(
         "prefix-cache hit rate (tokens)",
         f"{r.prefix_cache_hit_rate:.1%} ({r.prefix_cache_hits:,}/{r.prefix_cache_queries:,})",
