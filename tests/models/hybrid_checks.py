@@ -1,6 +1,8 @@
-"""The four engine-vs-transformers checks, shared by the LFM2 / Jamba / Falcon-H1 / Zamba2 tests.
+"""The engine-vs-transformers checks, shared by the model tests of every architecture.
 
-Each test file builds one tiny random checkpoint (:func:`build`) and calls the checks on it.
+Each test file builds tiny random checkpoints (:func:`build`) in a ``tiny`` fixture and
+subclasses :class:`TransformersChecks` to run the four standard checks on them; the Qwen and
+Mamba2-hybrid tests also call :func:`check_mixed_batch` and :func:`check_fresh_state_page`.
 Every comparison is with transformers' *full* forward or its greedy generate, never with its
 own chunked path (wrong for Mamba1, notes pitfall 4). Tolerance: 1e-4 x max(1, logit scale).
 """
@@ -12,26 +14,11 @@ from typing import Any
 
 import torch
 from paged_runner import PagedRunner
-from tiny import hf_greedy, hf_logits, save_checkpoint, transformers
+from tiny import hf_greedy, hf_logits, make_hf, save_checkpoint
 
 from hybridkv.models.loader import LoadedModel, load_model
 
 CHUNK_SIZES = [1, 6, 9, 17]  # chunk boundaries at 1, 7, 16, 33
-
-
-def make_hf(model_type: str, config: dict[str, Any], seed: int = 0) -> Any:
-    """A seeded random fp32 transformers model, constant tensors perturbed (pitfall 6)."""
-    cfg = transformers.AutoConfig.for_model(model_type, **config)
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param in model.parameters():
-            flat = param.detach().flatten()
-            if flat.numel() > 0 and bool((flat == flat[0]).all()):
-                param.add_(torch.randn(param.shape, generator=gen) * 0.1)
-    model.generation_config.eos_token_id = None
-    return model.eval()
 
 
 def build(model_type: str, config: dict[str, Any], model_dir: Path) -> tuple[Any, LoadedModel]:
@@ -58,9 +45,9 @@ def check_prefill(hf: Any, lm: LoadedModel, num_tokens: int = 40) -> float:
     return assert_close(got, hf_logits(hf, ids))
 
 
-def check_greedy(hf: Any, lm: LoadedModel, num_steps: int = 32) -> float:
+def check_greedy(hf: Any, lm: LoadedModel, num_steps: int = 32, prompt_tokens: int = 12) -> float:
     """Token-for-token greedy equality; a divergence must sit on an HF near-tie."""
-    ids = prompt(2, 12)
+    ids = prompt(2, prompt_tokens)
     tokens, logits = PagedRunner(lm.model, lm.spec, seed=1).greedy("a", ids, num_steps)
     ref_tokens, ref_logits = hf_greedy(hf, ids, num_steps)
     pairs = enumerate(zip(tokens, ref_tokens, strict=True))
@@ -98,3 +85,53 @@ def check_batched(lm: LoadedModel, num_decodes: int = 4) -> float:
         assert got[:, r].argmax(-1).tolist() == alone
         diff = max(diff, assert_close(got[:, r], ref))
     return diff
+
+
+def check_mixed_batch(hf: Any, lm: LoadedModel) -> float:
+    """a and c decode while b prefills its second chunk: same logits as the full forward."""
+    a, b, c = prompt(6, 30), prompt(7, 45), prompt(8, 17)
+    runner = PagedRunner(lm.model, lm.spec, seed=3)
+    runner.step([("a", a[:-1]), ("c", c[:-1])])
+    runner.step([("b", b[:20])])
+    mixed = runner.step([("a", a[-1:]), ("b", b[20:]), ("c", c[-1:])])
+    refs = torch.stack([hf_logits(hf, x)[-1] for x in (a, b, c)])
+    return assert_close(mixed, refs)
+
+
+def check_fresh_state_page(hf: Any, lm: LoadedModel) -> None:
+    """has_initial_state=False: recurrent state starts from zeros whatever the page holds.
+
+    Checked for a 12-token prompt and a one-token prompt (the decode path).
+    """
+    runner = PagedRunner(lm.model, lm.spec)
+    runner.step([("old", prompt(9, 25))])
+    runner.reqs["new"] = runner.reqs.pop("old")  # same pages, full of the old request's state
+    runner.reqs["new"].num_computed = 0
+    ids = prompt(10, 12)
+    assert_close(runner.step([("new", ids)], all_logits=True), hf_logits(hf, ids))
+    runner.reqs["one"] = runner.reqs.pop("new")
+    runner.reqs["one"].num_computed = 0
+    assert_close(runner.step([("one", ids[:1])]), hf_logits(hf, ids[:1]))
+
+
+class TransformersChecks:
+    """The four standard checks as tests, over the test module's ``tiny`` fixture.
+
+    A test module defines ``tiny`` (``(transformers model, LoadedModel)``) and a
+    ``class Test<Arch>(TransformersChecks)``; the class attributes set the prompt lengths.
+    """
+
+    prefill_tokens = 40
+    chunked_tokens = 40
+
+    def test_prefill_matches_full_forward(self, tiny: tuple[Any, LoadedModel]) -> None:
+        check_prefill(*tiny, num_tokens=self.prefill_tokens)
+
+    def test_greedy_decode_matches_generate(self, tiny: tuple[Any, LoadedModel]) -> None:
+        check_greedy(*tiny)
+
+    def test_chunked_prefill_matches_unsplit(self, tiny: tuple[Any, LoadedModel]) -> None:
+        check_chunked(*tiny, num_tokens=self.chunked_tokens)
+
+    def test_batched_requests_match_alone(self, tiny: tuple[Any, LoadedModel]) -> None:
+        check_batched(tiny[1])

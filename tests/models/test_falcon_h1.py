@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hybrid_checks import build, check_batched, check_chunked, check_greedy, check_prefill
+from hybrid_checks import TransformersChecks, build
 from tiny import VOCAB_SIZE
 
 CONFIG: dict[str, Any] = {
@@ -55,17 +55,5 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return build("falcon_h1", config, tmp_path_factory.mktemp(f"falcon_h1_{request.param}"))
 
 
-def test_prefill_matches_full_forward(tiny: tuple[Any, Any]) -> None:
-    check_prefill(*tiny)
-
-
-def test_greedy_decode_matches_generate(tiny: tuple[Any, Any]) -> None:
-    check_greedy(*tiny)
-
-
-def test_chunked_prefill_matches_unsplit(tiny: tuple[Any, Any]) -> None:
-    check_chunked(*tiny)
-
-
-def test_batched_requests_match_alone(tiny: tuple[Any, Any]) -> None:
-    check_batched(tiny[1])
+class TestFalconH1(TransformersChecks):
+    """Prefill, greedy decode, chunked prefill and batching against transformers."""

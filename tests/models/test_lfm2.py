@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hybrid_checks import build, check_batched, check_chunked, check_greedy, check_prefill
+from hybrid_checks import TransformersChecks, build
 from tiny import VOCAB_SIZE
 
 CONFIG: dict[str, Any] = {
@@ -28,17 +28,5 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     return build("lfm2", CONFIG, tmp_path_factory.mktemp("lfm2"))
 
 
-def test_prefill_matches_full_forward(tiny: tuple[Any, Any]) -> None:
-    check_prefill(*tiny)
-
-
-def test_greedy_decode_matches_generate(tiny: tuple[Any, Any]) -> None:
-    check_greedy(*tiny)
-
-
-def test_chunked_prefill_matches_unsplit(tiny: tuple[Any, Any]) -> None:
-    check_chunked(*tiny)
-
-
-def test_batched_requests_match_alone(tiny: tuple[Any, Any]) -> None:
-    check_batched(tiny[1])
+class TestLfm2(TransformersChecks):
+    """Prefill, greedy decode, chunked prefill and batching against transformers."""

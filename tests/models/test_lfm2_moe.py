@@ -15,10 +15,7 @@ from typing import Any
 import pytest
 import torch
 from hybrid_checks import (
-    check_batched,
-    check_chunked,
-    check_greedy,
-    check_prefill,
+    TransformersChecks,
     make_hf,
     prompt,
 )
@@ -102,20 +99,8 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return build_lfm2_moe(seed, config, tmp_path_factory.mktemp(f"lfm2_moe_{request.param}"))
 
 
-def test_prefill_matches_full_forward(tiny: tuple[Any, Any]) -> None:
-    check_prefill(*tiny)
-
-
-def test_greedy_decode_matches_generate(tiny: tuple[Any, Any]) -> None:
-    check_greedy(*tiny)
-
-
-def test_chunked_prefill_matches_unsplit(tiny: tuple[Any, Any]) -> None:
-    check_chunked(*tiny)
-
-
-def test_batched_requests_match_alone(tiny: tuple[Any, Any]) -> None:
-    check_batched(tiny[1])
+class TestLfm2Moe(TransformersChecks):
+    """Prefill, greedy decode, chunked prefill and batching against transformers."""
 
 
 def test_layers_are_dense_then_sparse_and_bias_changes_routing(tiny: tuple[Any, Any]) -> None:

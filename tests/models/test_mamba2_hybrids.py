@@ -13,17 +13,13 @@ from typing import Any
 import pytest
 import torch
 from hybrid_checks import (
-    assert_close,
+    TransformersChecks,
     build,
-    check_batched,
-    check_chunked,
-    check_greedy,
-    check_prefill,
+    check_fresh_state_page,
+    check_mixed_batch,
     make_hf,
-    prompt,
 )
-from paged_runner import PagedRunner
-from tiny import VOCAB_SIZE, hf_logits, save_checkpoint
+from tiny import VOCAB_SIZE, save_checkpoint
 
 from hybridkv.models.loader import load_model
 
@@ -112,43 +108,16 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return build(request.param, CONFIGS[request.param], model_dir)
 
 
-def test_prefill_matches_full_forward(tiny: tuple[Any, Any]) -> None:
-    check_prefill(*tiny, num_tokens=70)
+class TestMamba2Hybrid(TransformersChecks):
+    """The standard checks; prompts cross the 16-token SSD chunk several times."""
 
-
-def test_greedy_decode_matches_generate(tiny: tuple[Any, Any]) -> None:
-    check_greedy(*tiny, num_steps=32)
-
-
-def test_chunked_prefill_matches_unsplit(tiny: tuple[Any, Any]) -> None:
-    check_chunked(*tiny, num_tokens=50)
-
-
-def test_batched_requests_match_alone(tiny: tuple[Any, Any]) -> None:
-    check_batched(tiny[1])
+    prefill_tokens = 70
+    chunked_tokens = 50
 
 
 def test_prefill_and_decode_mixed_in_one_batch(tiny: tuple[Any, Any]) -> None:
-    """a and c decode while b prefills its second chunk: same logits as the full forward."""
-    hf, lm = tiny
-    a, b, c = prompt(6, 30), prompt(7, 45), prompt(8, 17)
-    runner = PagedRunner(lm.model, lm.spec, seed=3)
-    runner.step([("a", a[:-1]), ("c", c[:-1])])
-    runner.step([("b", b[:20])])
-    mixed = runner.step([("a", a[-1:]), ("b", b[20:]), ("c", c[-1:])])
-    refs = torch.stack([hf_logits(hf, x)[-1] for x in (a, b, c)])
-    assert_close(mixed, refs)
+    check_mixed_batch(*tiny)
 
 
 def test_fresh_request_ignores_a_dirty_state_page(tiny: tuple[Any, Any]) -> None:
-    """has_initial_state=False: conv and SSM state start from zeros whatever the page holds."""
-    hf, lm = tiny
-    runner = PagedRunner(lm.model, lm.spec)
-    runner.step([("old", prompt(9, 25))])
-    runner.reqs["new"] = runner.reqs.pop("old")  # same pages, full of the old request's state
-    runner.reqs["new"].num_computed = 0
-    ids = prompt(10, 12)
-    assert_close(runner.step([("new", ids)], all_logits=True), hf_logits(hf, ids))
-    runner.reqs["one"] = runner.reqs.pop("new")  # and a one-token prompt (the decode path)
-    runner.reqs["one"].num_computed = 0
-    assert_close(runner.step([("one", ids[:1])]), hf_logits(hf, ids[:1]))
+    check_fresh_state_page(*tiny)

@@ -16,11 +16,8 @@ from typing import Any
 import pytest
 import torch
 from hybrid_checks import (
+    TransformersChecks,
     assert_close,
-    check_batched,
-    check_chunked,
-    check_greedy,
-    check_prefill,
     make_hf,
     prompt,
 )
@@ -106,20 +103,8 @@ def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     return build_zamba2(request.param, tmp_path_factory.mktemp(f"zamba2_{request.param}"))
 
 
-def test_prefill_matches_full_forward(tiny: tuple[Any, Any]) -> None:
-    check_prefill(*tiny)
-
-
-def test_greedy_decode_matches_generate(tiny: tuple[Any, Any]) -> None:
-    check_greedy(*tiny)
-
-
-def test_chunked_prefill_matches_unsplit(tiny: tuple[Any, Any]) -> None:
-    check_chunked(*tiny)
-
-
-def test_batched_requests_match_alone(tiny: tuple[Any, Any]) -> None:
-    check_batched(tiny[1])
+class TestZamba2(TransformersChecks):
+    """Prefill, greedy decode, chunked prefill and batching against transformers."""
 
 
 def test_each_hybrid_layer_attends_over_its_own_kv_cache(tiny: tuple[Any, Any]) -> None:

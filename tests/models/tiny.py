@@ -56,9 +56,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 QWEN_MODEL_TYPES = ["qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
 
 
-def make_hf_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
-    """A seeded random transformers model in fp32, constant tensors perturbed."""
-    cfg = transformers.AutoConfig.for_model(model_type, **{**CONFIGS[model_type], **overrides})
+def make_hf(model_type: str, config: dict[str, Any], seed: int = 0) -> Any:
+    """A seeded random fp32 transformers model, constant tensors perturbed (pitfall 6)."""
+    cfg = transformers.AutoConfig.for_model(model_type, **config)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -69,6 +69,11 @@ def make_hf_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
                 param.add_(torch.randn(param.shape, generator=gen) * 0.1)
     model.generation_config.eos_token_id = None
     return model.eval()
+
+
+def make_hf_model(model_type: str, seed: int = 0, **overrides: Any) -> Any:
+    """:func:`make_hf` on the Qwen entry of :data:`CONFIGS`, with ``overrides`` on top."""
+    return make_hf(model_type, {**CONFIGS[model_type], **overrides}, seed)
 
 
 def write_tokenizer(model_dir: Path) -> None:
