@@ -3,8 +3,10 @@
 Order of the checks after each sampled token (vLLM's): a stop token id, EOS (unless
 ``ignore_eos``), a stop string in the new text, then the length limits. A matched stop
 string is cut from the text (kept with ``include_stop_str_in_output``); a stop token id
-stays in ``token_ids``. While a sequence runs, a trailing U+FFFD (half of a multi-byte
-character split across tokens) is held back, so streamed text only ever grows.
+stays in ``token_ids``. While a sequence runs, ``text`` holds back what may still change or
+be cut: a trailing U+FFFD (half of a multi-byte character split across tokens) and the
+last ``len(longest stop string) - 1`` characters (they may be the start of a stop string),
+so streamed text only ever grows (vLLM does the same).
 """
 
 from __future__ import annotations
@@ -65,5 +67,12 @@ def update_and_check(
     if seq.num_tokens >= max_model_len:
         seq.text = full
         return "length", None
-    seq.text = full.rstrip(REPLACEMENT_CHAR)
+    seq.text = streamable_text(full, params.stop_strings)
     return None
+
+
+def streamable_text(full: str, stops: tuple[str, ...]) -> str:
+    """The part of a running sequence's text that no later token can change."""
+    text = full.rstrip(REPLACEMENT_CHAR)
+    hold = max((len(s) for s in stops), default=1) - 1
+    return text[: len(text) - hold] if hold else text

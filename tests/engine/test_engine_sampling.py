@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
@@ -236,3 +237,19 @@ def test_text_prompts_round_trip(llm: LLM) -> None:
     assert len(out[0].prompt_token_ids) == len("hello there")  # one token per byte
     completion = out[0].outputs[0]
     assert completion.text == tok.decode(completion.token_ids)  # finished: nothing held back
+
+
+def test_streamed_text_only_grows_with_stop_strings(llm: LLM) -> None:
+    """Regression: text streamed while running was cut back when a stop string completed."""
+    engine = llm.engine
+    free = llm.generate([ids(12)], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+    text = free[0].outputs[0].text
+    stop = next(text[i : i + 3] for i in range(3, len(text) - 3) if "\ufffd" not in text[i : i + 3])
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=[stop])
+    engine.add_request("grow", ids(12), params)
+    seen: list[str] = []
+    while engine.has_unfinished_requests():
+        seen += [o.outputs[0].text for o in engine.step() if o.request_id == "grow"]
+    assert seen[-1] == text[: text.index(stop)]
+    for before, after in itertools.pairwise(seen):
+        assert after.startswith(before), (before, after)
