@@ -66,8 +66,8 @@ class LLM:
                 )
         else:
             params = [sampling_params or SamplingParams()] * len(batch)
-        for prompt in batch:  # validate everything before queueing anything
-            self.engine.encode_prompt(prompt)
+        for prompt, p in zip(batch, params, strict=True):  # check all before queueing any
+            self.engine.validate_request(prompt, p)
         ids = [f"{next(self._ids)}" for _ in batch]
         for request_id, prompt, p in zip(ids, batch, params, strict=True):
             self.engine.add_request(request_id, prompt, p)

@@ -224,6 +224,29 @@ class LLMEngine:
                 )
         return text, ids
 
+    def validate_request(
+        self, prompt: PromptType, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Every check ``add_request`` makes except the id: (text, token ids) of the prompt.
+
+        Batch APIs call it on all requests before queueing any, so a bad one queues nothing.
+
+        Raises:
+            ValueError: a bad prompt, one that leaves no room to generate within
+                max_model_len, or stop strings without a tokenizer.
+        """
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        text, ids = self.encode_prompt(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
+                f"no room left to generate"
+            )
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        return text, ids
+
     def add_request(
         self,
         request_id: str,
@@ -239,16 +262,7 @@ class LLMEngine:
                 generate within max_model_len, or stop strings without a tokenizer.
         """
         params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self.encode_prompt(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                f"no room left to generate"
-            )
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        text, ids = self.validate_request(prompt, params)
         now = time.monotonic() if arrival_time is None else arrival_time
         with self._lock:
             if request_id in self._pending_ids:
@@ -256,9 +270,11 @@ class LLMEngine:
             self._pending_ids.add(request_id)
             order = self._order
             self._order += 1
+            # Sequence ids are the engine's own ("<arrival order>.<index>"), never derived
+            # from request ids, which users choose and which could collide with them.
             seqs = [
                 Sequence(
-                    seq_id=request_id if params.n == 1 else f"{request_id}#{i}",
+                    seq_id=f"{order}.{i}",
                     request_id=request_id,
                     index=i,
                     prompt_token_ids=ids,

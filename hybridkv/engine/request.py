@@ -1,8 +1,8 @@
 """A sequence the scheduler runs: one completion of one prompt.
 
-A prompt with ``n`` completions becomes ``n`` sequences (ids ``"<request id>"`` for n = 1,
-``"<request id>#<i>"`` otherwise) that the scheduler treats independently; the shared
-prompt is found in the prefix cache by whichever runs second. Pure Python, like the core:
+A prompt with ``n`` completions becomes ``n`` sequences (engine-made ids
+``"<arrival order>.<i>"``) that the scheduler treats independently; the shared prompt is
+found in the prefix cache by whichever runs second. Pure Python, like the core:
 the scheduler is model-free.
 """
 

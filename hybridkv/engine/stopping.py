@@ -19,12 +19,25 @@ from hybridkv.models.tokenizer import Tokenizer
 REPLACEMENT_CHAR = "\ufffd"
 
 
+PROMPT_CONTEXT_TOKENS = 6  # prompt tokens decoded with the output, then cut off
+
+
 def decode_output(seq: Sequence, tokenizer: Tokenizer | None) -> str:
+    """The output's text as it reads after the prompt.
+
+    Decoding the output ids alone is wrong for SentencePiece-style decoders, which drop the
+    space marker of the first token as if it started the text; so the last few prompt
+    tokens are decoded with them and their text is cut off (vLLM's prefix offset).
+    """
     if tokenizer is None:
         return ""
-    return tokenizer.decode(
-        seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens
-    )
+    skip = seq.params.skip_special_tokens
+    context = seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
+    prefix = tokenizer.decode(context, skip_special_tokens=skip)
+    full = tokenizer.decode(context + seq.output_token_ids, skip_special_tokens=skip)
+    if prefix and full.startswith(prefix) and not prefix.endswith(REPLACEMENT_CHAR):
+        return full[len(prefix) :]
+    return tokenizer.decode(seq.output_token_ids, skip_special_tokens=skip)
 
 
 def find_stop_string(text: str, stops: tuple[str, ...], search_from: int) -> tuple[int, str] | None:

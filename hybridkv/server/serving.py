@@ -213,7 +213,7 @@ class ChoiceDelta:
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]]
     first_token_offset: int  # tokens of this completion sent before this delta
-    text_offset: int  # characters of this completion sent before this delta
+    text_offset: int  # characters of the token pieces of this completion sent before it
     finish_reason: str | None
     stop_reason: int | str | None
 
@@ -229,6 +229,9 @@ class DeltaTracker:
     holdback_chars: int
     sent_chars: dict[int, int] = field(default_factory=dict)
     sent_tokens: dict[int, int] = field(default_factory=dict)
+    # Logprob text offsets count token pieces, not the (held-back) text sent: a token's
+    # offset must not depend on how much text a stop-string hold-back kept back so far.
+    sent_piece_chars: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
 
     @classmethod
@@ -249,6 +252,7 @@ class DeltaTracker:
             if not text and not new_ids and not comp.finished:
                 continue
             logprobs = list(comp.logprobs[tokens:]) if comp.logprobs is not None else []
+            pieces = self.sent_piece_chars.get(comp.index, 0)
             deltas.append(
                 ChoiceDelta(
                     comp.index,
@@ -256,13 +260,17 @@ class DeltaTracker:
                     new_ids,
                     logprobs,
                     tokens,
-                    chars,
+                    pieces,
                     comp.finish_reason,
                     comp.stop_reason,
                 )
             )
             self.sent_chars[comp.index] = chars + len(text)
             self.sent_tokens[comp.index] = len(comp.token_ids)
+            self.sent_piece_chars[comp.index] = pieces + sum(
+                len(entry[t].decoded_token or "") if t in entry else 0
+                for entry, t in zip(logprobs, new_ids, strict=False)
+            )
             if comp.finished:
                 self.done.add(comp.index)
         return deltas

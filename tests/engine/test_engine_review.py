@@ -1,7 +1,7 @@
 """Review findings on the engine: each test demonstrates one suspected bug.
 
-Tests of confirmed bugs are marked ``xfail(strict=True)``: they fail today and will turn
-into an XPASS (a failure of the suite) once the bug is fixed, so the marker is removed then.
+Each test here failed on the code it reviewed; the bugs are fixed and these are their
+regression tests.
 """
 
 from __future__ import annotations
@@ -45,10 +45,6 @@ def assert_idle(engine: LLMEngine) -> None:
     assert all(g["pages_used"] == 0 for g in engine.stats()["groups"])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="LLM.generate queues the prompts before a later one fails add_request's checks",
-)
 def test_generate_queues_nothing_when_a_later_prompt_is_too_long(llm: LLM) -> None:
     """``generate`` promises 'nothing is queued then' on a ValueError, but it validates only
     ``encode_prompt`` up front: the max_model_len check (and 'stop strings need a tokenizer')
@@ -64,10 +60,6 @@ def test_generate_queues_nothing_when_a_later_prompt_is_too_long(llm: LLM) -> No
     assert not leaked, "the first prompt was queued although generate raised"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="n > 1 sequence ids '<id>#<i>' collide with a request whose own id is '<id>#<i>'",
-)
 def test_fanned_out_sequence_ids_do_not_collide_with_request_ids(llm: LLM) -> None:
     """Request 'a' with n=2 runs sequences 'a#0' and 'a#1'; a request named 'a#1' (n=1) runs
     a sequence 'a#1' too. ``add_request`` only checks request ids, so both are accepted and
@@ -108,11 +100,6 @@ def _write_metaspace_tokenizer(model_dir: Path) -> None:
     tok.save(str(model_dir / "tokenizer.json"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="output text is decoded without the prompt: SentencePiece tokenizers lose the "
-    "leading space of the first generated word",
-)
 def test_output_text_keeps_the_space_before_the_first_word(
     checkpoints: Any, tmp_path: Path
 ) -> None:
