@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jinja2
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import Request
 
 from hybridkv.engine.llm import render_chat
@@ -31,17 +31,12 @@ from hybridkv.server.protocol import (
 from hybridkv.server.serving import (
     ChoiceDelta,
     ServingContext,
-    SSEResponse,
     check_length,
-    engine_failure,
-    last_output,
     new_id,
     now_s,
-    open_stream,
     refuse_unsupported,
+    respond,
     sampling_params,
-    sse_events,
-    unless_disconnected,
     usage,
 )
 
@@ -214,17 +209,4 @@ async def create_chat_completion(
     prompt_ids = await chat_prompt_ids(ctx, req)
     check_length(ctx, len(prompt_ids), max_tokens, "messages")
     fmt = _Formatter(req, new_id("chatcmpl"), ctx.model_name)
-    stream = open_stream(ctx, fmt.request_id, prompt_ids, params)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = sse_events(
-            ctx, stream, params, fmt.chunk, fmt.usage_chunk if include_usage else None
-        )
-        return SSEResponse(events)
-    out = await unless_disconnected(raw, last_output(ctx, stream))
-    if out is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    failure = engine_failure(out)
-    if failure is not None:
-        raise failure
-    return JSONResponse(fmt.response(out))
+    return await respond(ctx, raw, fmt, prompt_ids, params, req.stream, req.stream_options)

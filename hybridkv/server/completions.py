@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from starlette.requests import Request
 
 from hybridkv.engine.outputs import Logprob, RequestOutput
@@ -23,18 +23,13 @@ from hybridkv.server.protocol import (
 from hybridkv.server.serving import (
     ChoiceDelta,
     ServingContext,
-    SSEResponse,
     check_length,
     encode_in_thread,
-    engine_failure,
-    last_output,
     new_id,
     now_s,
-    open_stream,
     refuse_unsupported,
+    respond,
     sampling_params,
-    sse_events,
-    unless_disconnected,
     usage,
 )
 
@@ -155,17 +150,4 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     prompt_ids = await encode_in_thread(ctx, prompt)
     check_length(ctx, len(prompt_ids), max_tokens, "prompt")
     fmt = _Formatter(req, new_id("cmpl"), ctx.model_name)
-    stream = open_stream(ctx, fmt.request_id, prompt_ids, params)
-    if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        events = sse_events(
-            ctx, stream, params, fmt.chunk, fmt.usage_chunk if include_usage else None
-        )
-        return SSEResponse(events)
-    out = await unless_disconnected(raw, last_output(ctx, stream))
-    if out is None:
-        return Response(status_code=499)  # the client is gone; nobody reads this
-    failure = engine_failure(out)
-    if failure is not None:
-        raise failure
-    return JSONResponse(fmt.response(out))
+    return await respond(ctx, raw, fmt, prompt_ids, params, req.stream, req.stream_options)

@@ -14,24 +14,21 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridkv.engine.outputs import Logprob, RequestOutput
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.sampling_params import GREEDY_BELOW, SamplingParams
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.errors import APIError, error_body
 from hybridkv.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
-    from hybridkv.server.protocol import SamplingFields
+    from hybridkv.server.protocol import SamplingFields, StreamOptions
 
 T = TypeVar("T")
-# Temperatures below this sample greedily (vLLM's rule): logits / 1e-40 overflow float32 to
-# inf, and the NaN probabilities would fail the whole batch's sampling step.
-GREEDY_BELOW_TEMPERATURE = 1e-5
 _SAMPLING_FIELDS = {f for f in SamplingParams.__dataclass_fields__ if not f.startswith("_")}
 
 
@@ -81,7 +78,7 @@ def sampling_params(
 ) -> SamplingParams:
     """The engine's SamplingParams; its ValueError (it names the field) becomes a 400."""
     temperature = req.temperature
-    if 0 < temperature < GREEDY_BELOW_TEMPERATURE:
+    if 0 < temperature < GREEDY_BELOW:
         temperature = 0.0
     try:
         return SamplingParams(
@@ -335,6 +332,46 @@ async def sse_events(
     elif out is not None and usage_chunk is not None:
         yield sse(usage_chunk(out))
     yield "data: [DONE]\n\n"
+
+
+class Formatter(Protocol):
+    """An endpoint's response shapes (chat and completions each have one)."""
+
+    request_id: str
+
+    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any] | None: ...
+
+    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]: ...
+
+    def response(self, out: RequestOutput) -> dict[str, Any]: ...
+
+
+async def respond(
+    ctx: ServingContext,
+    raw: Request,
+    fmt: Formatter,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    stream: bool | None,
+    stream_options: StreamOptions | None,
+) -> Response:
+    """Run a validated request: server-sent events if ``stream``, else one JSON response.
+
+    A non-streaming client that leaves gets its request cancelled (status 499, read by
+    nobody), and an engine failure becomes an OpenAI error.
+    """
+    handle = open_stream(ctx, fmt.request_id, prompt_ids, params)
+    if stream:
+        include_usage = bool(stream_options and stream_options.include_usage)
+        usage_chunk = fmt.usage_chunk if include_usage else None
+        return SSEResponse(sse_events(ctx, handle, params, fmt.chunk, usage_chunk))
+    out = await unless_disconnected(raw, last_output(ctx, handle))
+    if out is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    failure = engine_failure(out)
+    if failure is not None:
+        raise failure
+    return JSONResponse(fmt.response(out))
 
 
 class SSEResponse(StreamingResponse):

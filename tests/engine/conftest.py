@@ -11,7 +11,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
 
-from engine_checkpoints import ARCHITECTURES, build_checkpoint
+from engine_checkpoints import ARCH, ARCHITECTURES, OPTIONS, build_checkpoint
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -31,6 +31,15 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
         return built[arch]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def llm(checkpoints: Any) -> Any:
+    """A fresh ``LLM`` over the tiny Qwen3.5 checkpoint for each test module."""
+    from hybridkv import LLM
+
+    _, path = checkpoints(ARCH)
+    return LLM(str(path), **OPTIONS)
 
 
 __all__ = ["ARCHITECTURES"]

@@ -30,6 +30,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "lfm2_moe": LFM2_MOE["base"][1],
 }
 ARCHITECTURES = sorted(CONFIGS)
+# The engine most tests drive (the ``llm`` fixture): tiny Qwen3.5, GDN + gated attention.
+ARCH = "qwen3_5_text"
+OPTIONS: dict[str, Any] = {"max_model_len": 128, "cache_memory_gib": 0.02, "poison_cache": True}
 
 
 def build_checkpoint(arch: str, model_dir: Path, seed: int = 0) -> Any:

@@ -6,19 +6,11 @@ import itertools
 from typing import Any
 
 import pytest
+from engine_checkpoints import ARCH
 from hybrid_checks import prompt
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine import LLMEngine
-
-ARCH = "qwen3_5_text"
-OPTIONS: dict[str, Any] = {"max_model_len": 128, "cache_memory_gib": 0.02, "poison_cache": True}
-
-
-@pytest.fixture(scope="module")
-def llm(checkpoints: Any) -> LLM:
-    _, path = checkpoints(ARCH)
-    return LLM(str(path), **OPTIONS)
 
 
 def ids(seed: int, n: int = 20) -> dict[str, list[int]]:
