@@ -111,12 +111,27 @@ class Scheduler:
                 out.chunks.append(chunk)
                 budget -= chunk.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if self._sibling_prefilling(self.waiting[0]):
+                break
             chunk = self._admit(self.waiting[0], budget, busy=bool(out.chunks), out=out)
             if chunk is None:
                 break
             out.chunks.append(chunk)
             budget -= chunk.num_tokens
         return out
+
+    def _sibling_prefilling(self, seq: Sequence) -> bool:
+        """Another completion of the same prompt is still computing it (n > 1).
+
+        Waiting for it costs a step or two and turns the rest of the prompt into a prefix
+        hit for this one; admitting now would compute the same prompt twice.
+        """
+        if not self.manager.config.enable_prefix_caching:
+            return False
+        return any(
+            other.request_id == seq.request_id and other.num_computed < len(other.prompt_token_ids)
+            for other in self.running
+        )
 
     def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
         end = start + min(seq.num_tokens - start, budget)

@@ -6,7 +6,7 @@ import itertools
 from typing import Any
 
 import pytest
-from engine_checkpoints import ARCH
+from engine_checkpoints import ARCH, OPTIONS
 from hybrid_checks import prompt
 
 from hybridkv import LLM, SamplingParams
@@ -245,3 +245,15 @@ def test_streamed_text_only_grows_with_stop_strings(llm: LLM) -> None:
     assert seen[-1] == text[: text.index(stop)]
     for before, after in itertools.pairwise(seen):
         assert after.startswith(before), (before, after)
+
+
+def test_n_completions_compute_the_prompt_once(checkpoints: Any) -> None:
+    """The second completion of an n = 2 request resumes from the first one's prompt."""
+    _, path = checkpoints(ARCH)
+    fresh = LLM(str(path), **OPTIONS)
+    params = SamplingParams(n=2, max_tokens=4, temperature=1.0, seed=5, ignore_eos=True)
+    out = fresh.generate([ids(30, 50)], params, use_tqdm=False)[0]
+    assert [len(c.token_ids) for c in out.outputs] == [4, 4]
+    stats = fresh.stats()
+    assert stats["prefix_cache_queries"] == 2 * 50
+    assert stats["prefix_cache_hits"] == 48  # the sibling's hit: the prompt end, floor(49/16)*16
