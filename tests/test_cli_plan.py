@@ -134,3 +134,16 @@ def test_console_script() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["model"] == "lfm2-350m"
+
+
+def test_closed_pipe_ends_quietly() -> None:
+    """Regression: `hybridkv plan --list | head -1` ended in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "hybridkv", "plan", "--list"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    proc.stdout.close()  # the reader is gone before the command writes
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (0, b"")
