@@ -13,13 +13,14 @@ Packages, bottom to top (imports only point down this list):
 """
 
 import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
 _ENGINE_NAMES = ("LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput")
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     """``from hybridkv import LLM`` without importing torch for users of the core alone."""
     if name in _ENGINE_NAMES:
         # importlib, not an import statement: type checkers of the torch-free core must not

@@ -5,21 +5,15 @@ Layering: ``scheduler`` and ``request`` are pure Python over ``hybridkv.core``; 
 turns a scheduled step into the model's ForwardBatch and does the state page copies;
 ``llm_engine`` ties them with sampling and detokenization; ``llm`` is the offline API.
 
-The names below load on first use, so that ``hybridkv.engine.config`` (which every CLI
-subcommand reads for its flags) does not import torch for ``hybridkv plan``.
+The names below load on first use, so that the torch-free modules (``config``, which every
+CLI subcommand reads for its flags, and ``scheduler``, which the simulator runs) never
+import torch, and type checkers of those modules do not follow into the torch code.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from hybridkv.engine.config import EngineConfig
-    from hybridkv.engine.llm import LLM
-    from hybridkv.engine.llm_engine import LLMEngine
-    from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-    from hybridkv.engine.sampling_params import SamplingParams
+from typing import Any
 
 _HOMES = {
     "EngineConfig": "config",
@@ -44,7 +38,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     if name in _HOMES:
         return getattr(importlib.import_module(f"hybridkv.engine.{_HOMES[name]}"), name)
     raise AttributeError(f"module 'hybridkv.engine' has no attribute {name!r}")

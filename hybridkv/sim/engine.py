@@ -1,16 +1,18 @@
-"""A simulated scheduler on the real :class:`CacheManager`: the serving loop without a model.
+"""The serving loop without a model: the engine's own scheduler on the real CacheManager.
 
 Each step (nano-vllm's shape: schedule, run, postprocess)::
 
-    schedule     running requests first, oldest first: a decode token or the next prefill
-                 chunk (cut by the token budget and by ``CacheManager.next_split``, so the
-                 chunk ends on a checkpoint); when ``allocate`` returns None the newest
-                 running request is preempted (freed, recomputed later) until it fits.
-                 Then waiting requests, in order, while budget, seats and memory last.
+    schedule     :class:`hybridkv.engine.scheduler.Scheduler`, the one the engine runs:
+                 running requests first (a decode token or the next prefill chunk, cut by
+                 the token budget and by ``CacheManager.next_split``; the newest running
+                 request is preempted when ``allocate`` fails), then waiting ones, FCFS.
     run          no model: the cost model turns the batch into seconds.
-    postprocess  commit what was computed; a request whose prompt is done samples its
-                 next token from the trace; a finished request is freed (its pages stay
-                 cached) and releases the turn that waits on it.
+    postprocess  a request whose prompt is done "samples" its next token from the trace;
+                 a finished request is freed (its pages stay cached) and releases the turn
+                 that waits on it.
+
+Because the scheduler is shared, the simulator and the engine make the same decisions on
+the same trace (tests/engine/test_engine_matches_simulator.py checks their hits agree).
 
 Time has two clocks: ``step`` (arrivals and think times in the trace count steps) and
 simulated seconds (the sum of step costs; an idle step lasts ``idle_step_s``). TTFT is
@@ -21,12 +23,14 @@ that sampled its first token.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from hybridkv.core.groups.base import ReqId
-from hybridkv.core.manager import Allocation, CacheManager
+from hybridkv.core.manager import CacheManager
+from hybridkv.engine.request import Sequence
+from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.engine.scheduler import ScheduledChunk, Scheduler
 from hybridkv.sim.cost import CostModel
 from hybridkv.sim.traces import Trace, TraceRequest
 
@@ -43,11 +47,9 @@ class EngineConfig:
 class _Req:
     trace: TraceRequest
     order: int
-    tokens: list[int]  # prompt, plus outputs sampled before a preemption
-    num_computed: int = 0
-    num_outputs: int = 0
+    seq: Sequence
     eligible_s: float = 0.0
-    admitted: bool = False
+    counted: bool = False  # prompt and hit tokens are counted at the first admission
 
     @property
     def req_id(self) -> ReqId:
@@ -114,9 +116,6 @@ class SimResult:
         }
 
 
-_Batch = list[tuple[_Req, int, int]]  # (request, start, num_new_tokens)
-
-
 class Simulator:
     """Replays one trace through one CacheManager."""
 
@@ -131,17 +130,31 @@ class Simulator:
         self.mgr = manager
         self.cost = cost
         self.config = config or EngineConfig()
+        self.scheduler = Scheduler(
+            manager,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+        )
         self.result = SimResult(name=name, memory_bytes=manager.config.memory_bytes)
         self.result.num_requests = len(trace.requests)
         self.step = 0
         self.now = 0.0
         self._pending: list[tuple[int, int, _Req]] = []  # (eligible step, order, request)
-        self._ready: deque[_Req] = deque()
-        self._running: list[_Req] = []
+        self._reqs: dict[ReqId, _Req] = {}
         self._waiters: dict[str, list[_Req]] = {}
         self._num_done = 0
         for order, t in enumerate(trace.requests):
-            req = _Req(trace=t, order=order, tokens=list(t.prompt_token_ids))
+            params = SamplingParams(max_tokens=len(t.output_token_ids), ignore_eos=True)
+            seq = Sequence(
+                seq_id=ReqId(t.req_id),
+                request_id=t.req_id,
+                index=0,
+                prompt_token_ids=list(t.prompt_token_ids),
+                params=params,
+                arrival_order=order,
+            )
+            req = _Req(trace=t, order=order, seq=seq)
+            self._reqs[seq.seq_id] = req
             if t.after is None:
                 heapq.heappush(self._pending, (t.arrival_step, order, req))
             else:
@@ -153,17 +166,18 @@ class Simulator:
         total = self.result.num_requests
         while self._num_done < total:
             self._release_due()
-            if not self._running and not self._ready:
+            if self.scheduler.num_unfinished == 0:
                 self._idle_until(self._pending[0][0])
                 continue
-            batch, num_copies = self._schedule()
-            if batch:
-                seconds = self.cost.step([(start, n) for _, start, n in batch], num_copies).seconds
+            chunks, num_copies = self._schedule()
+            if chunks:
+                work = [(c.start, c.num_tokens) for c in chunks]
+                seconds = self.cost.step(work, num_copies).seconds
                 self.result.busy_s += seconds
             else:
                 seconds = self.config.idle_step_s
             self.now += seconds
-            done = self._postprocess(batch)
+            done = self._postprocess(chunks)
             if self.config.check_integrity:
                 self.mgr.check_integrity()
             self.step += 1
@@ -176,7 +190,7 @@ class Simulator:
         while self._pending and self._pending[0][0] <= self.step:
             _, _, req = heapq.heappop(self._pending)
             req.eligible_s = self.now
-            self._ready.append(req)
+            self.scheduler.add(req.seq)
 
     def _idle_until(self, step: int) -> None:
         self.now += max(0, step - self.step) * self.config.idle_step_s
@@ -184,95 +198,41 @@ class Simulator:
 
     # ------------------------------------------------------------------ schedule
 
-    def _schedule(self) -> tuple[_Batch, int]:
-        budget = self.config.max_num_batched_tokens
-        batch: _Batch = []
+    def _schedule(self) -> tuple[list[ScheduledChunk], int]:
+        out = self.scheduler.schedule()
+        self.result.preemptions += len(out.preempted)
+        for seq in out.rejected:  # could not fit even alone: give up on it
+            self.result.num_rejected += 1
+            self._complete(self._reqs[seq.seq_id])
         copies = 0
-        for req in list(self._running):
-            if budget == 0:
-                break
-            if req not in self._running:  # preempted earlier in this step
-                continue
-            start = req.num_computed
-            end = self.mgr.next_split(
-                req.req_id, start, start + min(len(req.tokens) - start, budget)
-            )
-            alloc = self._allocate_running(req, end - start)
-            if alloc is not None:
-                batch.append((req, start, end - start))
-                budget -= end - start
-                copies += len(alloc.snapshots) + len(alloc.restores)
-        while self._ready and budget > 0 and len(self._running) < self.config.max_num_seqs:
-            admitted = self._admit(self._ready[0], budget, bool(batch))
-            if admitted is None:
-                break
-            batch.append(admitted[:3])
-            budget -= admitted[2]
-            copies += admitted[3]
-        self.result.max_concurrency = max(self.result.max_concurrency, len(self._running))
-        return batch, copies
-
-    def _allocate_running(self, req: _Req, num_tokens: int) -> Allocation | None:
-        """Allocate, preempting the newest running request until it fits (maybe req itself)."""
-        while True:
-            alloc = self.mgr.allocate(req.req_id, num_tokens)
-            if alloc is not None:
-                return alloc
-            victim = self._running[-1]
-            self._preempt(victim)
-            if victim is req:
-                return None
-
-    def _preempt(self, req: _Req) -> None:
-        self.mgr.free(req.req_id)
-        self._running.remove(req)
-        req.num_computed = 0
-        self._ready.appendleft(req)
-        self.result.preemptions += 1
-
-    def _admit(self, req: _Req, budget: int, busy: bool) -> tuple[_Req, int, int, int] | None:
-        rid = req.req_id
-        self.mgr.add_request(rid, req.tokens)
-        hit = self.mgr.find_hit(rid)
-        start = hit.num_tokens
-        end = self.mgr.next_split(rid, start, start + min(len(req.tokens) - start, budget))
-        alloc = self.mgr.allocate(rid, end - start, hit)
-        if alloc is None:
-            self.mgr.free(rid)
-            if not busy and not self._running:  # alone and still too big: give up on it
-                self._ready.popleft()
-                self.result.num_rejected += 1
-                self._complete(req)
-            return None
-        self._ready.popleft()
-        self._running.append(req)
-        cached = self.mgr.num_cached_tokens(rid)
-        if not req.admitted:
-            req.admitted = True
-            self.result.prompt_tokens += len(req.trace.prompt_token_ids)
-            self.result.hit_tokens += cached
-        return req, cached, end - start, len(alloc.snapshots) + len(alloc.restores)
+        for chunk in out.chunks:
+            copies += len(chunk.allocation.snapshots) + len(chunk.allocation.restores)
+            req = self._reqs[chunk.seq.seq_id]
+            if not req.counted:
+                req.counted = True
+                self.result.prompt_tokens += len(req.trace.prompt_token_ids)
+                self.result.hit_tokens += chunk.seq.num_cached_tokens
+        running = len(self.scheduler.running)
+        self.result.max_concurrency = max(self.result.max_concurrency, running)
+        return out.chunks, copies
 
     # ------------------------------------------------------------------ postprocess
 
-    def _postprocess(self, batch: _Batch) -> int:
+    def _postprocess(self, chunks: list[ScheduledChunk]) -> int:
         done = self._num_done
-        for req, start, num_tokens in batch:
-            req.num_computed = start + num_tokens
-            if req.num_computed < len(req.tokens):  # a prefill chunk, more to come
-                self.mgr.commit(req.req_id, req.num_computed)
+        for chunk in chunks:
+            seq = chunk.seq
+            if not chunk.samples:  # a prefill chunk, more to come
+                self.scheduler.advance(chunk, None)
                 continue
+            req = self._reqs[seq.seq_id]
             outputs = req.trace.output_token_ids
-            token = outputs[req.num_outputs]
-            req.num_outputs += 1
-            req.tokens.append(token)
+            self.scheduler.advance(chunk, outputs[seq.num_outputs])
             self.result.output_tokens += 1
-            if req.num_outputs == 1:
+            if seq.num_outputs == 1:
                 self.result.ttfts_s.append(self.now - req.eligible_s)
-            self.mgr.commit(req.req_id, req.num_computed, [token])
-            if req.num_outputs == len(outputs):
-                self.mgr.free(req.req_id)
-                self._running.remove(req)
+            if seq.num_outputs == len(outputs):
+                self.scheduler.finish(seq, "length")
                 self._complete(req)
         return self._num_done - done
 
