@@ -49,6 +49,27 @@ class _Tokens:
         return tuple(self.rng.randrange(self.vocab_size) for _ in range(count))
 
 
+def _next_turn(
+    rng: random.Random,
+    req_id: str,
+    arrival: int,
+    after: str | None,
+    mean_think_steps: float,
+    prompt: tuple[int, ...],
+    output: tuple[int, ...],
+) -> TraceRequest:
+    """One turn of a session: it waits for ``after`` (the previous turn) and a think time."""
+    think = _exp_steps(rng, mean_think_steps) if after else 0
+    return TraceRequest(
+        req_id=req_id,
+        arrival_step=arrival,
+        after=after,
+        think_steps=think,
+        prompt_token_ids=prompt,
+        output_token_ids=output,
+    )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ChatWorkload:
     """Conversations of ``turns`` turns; turn k's prompt = turn k-1's prompt + reply + message."""
@@ -76,19 +97,9 @@ def chat_trace(w: ChatWorkload) -> Trace:
         for t in range(w.turns):
             prompt = context + tokens.take(w.user.sample(rng))
             output = tokens.take(w.reply.sample(rng))
-            req_id = f"c{c}-t{t}"
-            think = _exp_steps(rng, w.mean_think_steps) if after else 0
-            requests.append(
-                TraceRequest(
-                    req_id=req_id,
-                    arrival_step=start,
-                    after=after,
-                    think_steps=think,
-                    prompt_token_ids=prompt,
-                    output_token_ids=output,
-                )
-            )
-            context, after = prompt + output, req_id
+            turn = _next_turn(rng, f"c{c}-t{t}", start, after, w.mean_think_steps, prompt, output)
+            requests.append(turn)
+            context, after = prompt + output, turn.req_id
         start += _exp_steps(rng, w.mean_gap_steps)
     return Trace(requests=tuple(requests), meta={"kind": "chat", "vocab_size": w.vocab_size})
 
@@ -123,20 +134,10 @@ def agentic_trace(w: AgenticWorkload) -> Trace:
         after: str | None = None
         for t in range(w.turns):
             output = tokens.take(w.reply.sample(rng))
-            req_id = f"a{s}-t{t}"
-            think = _exp_steps(rng, w.mean_think_steps) if after else 0
-            requests.append(
-                TraceRequest(
-                    req_id=req_id,
-                    arrival_step=start,
-                    after=after,
-                    think_steps=think,
-                    prompt_token_ids=prompt,
-                    output_token_ids=output,
-                )
-            )
+            turn = _next_turn(rng, f"a{s}-t{t}", start, after, w.mean_think_steps, prompt, output)
+            requests.append(turn)
             prompt = prompt + output + tokens.take(w.tool_result.sample(rng))
-            after = req_id
+            after = turn.req_id
         start += _exp_steps(rng, w.mean_gap_steps)
     return Trace(requests=tuple(requests), meta={"kind": "agentic", "vocab_size": w.vocab_size})
 
