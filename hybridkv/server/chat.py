@@ -164,9 +164,7 @@ class _Formatter:
     def response(self, out: RequestOutput) -> dict[str, Any]:
         choices = []
         for c in out.outputs:
-            whole = ChoiceDelta(
-                c.index, c.text, c.token_ids, c.logprobs or [], 0, 0, c.finish_reason, c.stop_reason
-            )
+            whole = ChoiceDelta.whole(c)
             choices.append(
                 ChatChoice(
                     index=c.index,

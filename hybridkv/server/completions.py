@@ -119,12 +119,7 @@ class _Formatter:
         return dump(chunk)
 
     def response(self, out: RequestOutput) -> dict[str, Any]:
-        deltas = [
-            ChoiceDelta(
-                c.index, c.text, c.token_ids, c.logprobs or [], 0, 0, c.finish_reason, c.stop_reason
-            )
-            for c in out.outputs
-        ]
+        deltas = [ChoiceDelta.whole(c) for c in out.outputs]
         response = CompletionResponse(
             id=self.request_id,
             created=self.created,

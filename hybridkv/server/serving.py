@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from hybridkv.engine.outputs import Logprob, RequestOutput
+from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridkv.engine.sampling_params import GREEDY_BELOW, SamplingParams
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.errors import APIError, error_body
@@ -213,6 +213,12 @@ class ChoiceDelta:
     text_offset: int  # characters of the token pieces of this completion sent before it
     finish_reason: str | None
     stop_reason: int | str | None
+
+    @classmethod
+    def whole(cls, c: CompletionOutput) -> ChoiceDelta:
+        """A whole completion as one delta (a non-streaming response's choice)."""
+        logprobs = c.logprobs or []
+        return cls(c.index, c.text, c.token_ids, logprobs, 0, 0, c.finish_reason, c.stop_reason)
 
 
 @dataclass
