@@ -54,7 +54,6 @@ class _Request:
     seqs: list[Sequence]
     metrics: RequestMetrics
     error: str | None = None
-    aborted: bool = False
     generators: list[torch.Generator | None] = field(default_factory=list)
 
     @property
@@ -279,7 +278,6 @@ class LLMEngine:
                     index=i,
                     prompt_token_ids=ids,
                     params=params,
-                    arrival_order=order,
                 )
                 for i in range(params.n)
             ]
@@ -311,7 +309,6 @@ class LLMEngine:
             req = self._requests.get(request_id)
             if req is None or req.finished:
                 continue
-            req.aborted = True
             for seq in req.seqs:
                 if not seq.finished:
                     self.scheduler.finish(seq, "abort")

@@ -30,7 +30,6 @@ class Sequence:
     index: int  # which of the request's n completions
     prompt_token_ids: list[int]
     params: SamplingParams
-    arrival_order: int
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens the first admission found cached

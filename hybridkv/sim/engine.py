@@ -151,7 +151,6 @@ class Simulator:
                 index=0,
                 prompt_token_ids=list(t.prompt_token_ids),
                 params=params,
-                arrival_order=order,
             )
             req = _Req(trace=t, order=order, seq=seq)
             self._reqs[seq.seq_id] = req
