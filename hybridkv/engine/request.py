@@ -39,6 +39,7 @@ class Sequence:
     stop_reason: int | str | None = None
     # Detokenized text (stop strings are matched on it) and per-token logprobs.
     text: str = ""
+    prompt_context_text: str | None = None  # the prompt's tail as text, see stopping.py
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, object]] = field(default_factory=list)
 

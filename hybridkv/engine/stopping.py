@@ -33,7 +33,9 @@ def decode_output(seq: Sequence, tokenizer: Tokenizer | None) -> str:
         return ""
     skip = seq.params.skip_special_tokens
     context = seq.prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]
-    prefix = tokenizer.decode(context, skip_special_tokens=skip)
+    if seq.prompt_context_text is None:  # the prompt never changes: decode it once
+        seq.prompt_context_text = tokenizer.decode(context, skip_special_tokens=skip)
+    prefix = seq.prompt_context_text
     full = tokenizer.decode(context + seq.output_token_ids, skip_special_tokens=skip)
     if prefix and full.startswith(prefix) and not prefix.endswith(REPLACEMENT_CHAR):
         return full[len(prefix) :]
