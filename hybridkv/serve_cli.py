@@ -47,6 +47,13 @@ def add_serve_parser(commands: Any) -> None:
         "--max-body-mib", type=float, default=4.0, help="larger request bodies get a 413"
     )
     server.add_argument("--log-level", choices=LOG_LEVELS, default="info")
+    server.add_argument(
+        "--tool-call-parser",
+        default="hermes",
+        help="how the model writes tool calls, to parse them into OpenAI tool_calls and to "
+        "constrain tool_choice 'required' / named (default hermes: <tool_call>{json}</tool_call>, "
+        "Hermes and Qwen models)",
+    )
     p.set_defaults(run=run_serve)
 
 
@@ -80,14 +87,20 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from hybridkv.engine import LLMEngine
     from hybridkv.server import create_app
+    from hybridkv.server.tool_parsers import get_tool_parser
 
+    parser = get_tool_parser(args.tool_call_parser)  # an unknown name: a one-line error
     try:
         engine = LLMEngine(config)
     except (OSError, KeyError) as exc:  # unreadable or unsupported checkpoint files
         raise ValueError(f"cannot load {model_dir}: {exc}") from None
     name = args.served_model_name or default_name
     app = create_app(
-        engine, name, api_key=args.api_key, max_body_bytes=int(args.max_body_mib * (1 << 20))
+        engine,
+        name,
+        api_key=args.api_key,
+        max_body_bytes=int(args.max_body_mib * (1 << 20)),
+        tool_parser=parser,
     )
     print(
         f"serving {name!r} (max_model_len {engine.max_model_len}) at "

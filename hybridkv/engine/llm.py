@@ -80,9 +80,13 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them (the model's chat template).
+
+        ``tools`` (OpenAI's ``{"type": "function", "function": {...}}`` entries) reach the
+        template as transformers passes them.
 
         Raises:
             ValueError: no tokenizer or chat template, or a malformed message.
@@ -96,7 +100,11 @@ class LLM:
             prompts.append(
                 {
                     "prompt_token_ids": render_chat(
-                        tokenizer, conversation, add_generation_prompt, chat_template_kwargs
+                        tokenizer,
+                        conversation,
+                        add_generation_prompt,
+                        chat_template_kwargs,
+                        tools=tools,
                     )
                 }
             )  # type: ignore[arg-type]
@@ -123,20 +131,28 @@ def render_chat(
     messages: Sequence[Message],
     add_generation_prompt: bool = True,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a conversation rendered with the checkpoint's chat template.
 
     Raises:
-        ValueError: a message is not {"role": str, "content": str}, or no chat template.
+        ValueError: a message is not {"role": str, "content": str} (an assistant message
+            with ``tool_calls`` may leave content out), no chat template, or a kwarg that
+            names one of the template's own variables.
+        jinja2.TemplateError: the template rejected the conversation.
     """
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
             raise ValueError(f"message {i} must be a dict with a string 'role'")
-        if not isinstance(m.get("content"), str):
+        content = m.get("content")
+        if not isinstance(content, str) and not (content is None and m.get("tool_calls")):
             raise ValueError(f"message {i} must have string 'content'")
-    text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, **dict(chat_template_kwargs or {})
+    text = tokenizer.render_chat(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        template_kwargs=chat_template_kwargs,
     )
-    assert isinstance(text, str)
     # The template writes the special tokens itself (BOS included): do not add them twice.
     return tokenizer.encode(text, add_special_tokens=False)

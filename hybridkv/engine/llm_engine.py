@@ -29,13 +29,15 @@ import torch
 from hybridkv.core.manager import CacheConfig, CacheManager
 from hybridkv.core.spec import ModelSpec
 from hybridkv.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from hybridkv.engine.logits_processors import RowContext
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hybridkv.engine.request import Sequence
 from hybridkv.engine.runner import ModelRunner
-from hybridkv.engine.sampler import SampledToken, sample
+from hybridkv.engine.sampler import SampledToken, SamplingFailure, sample
 from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.engine.scheduler import ScheduledChunk, Scheduler
-from hybridkv.engine.stopping import update_and_check
+from hybridkv.engine.stopping import decode_output, update_and_check
+from hybridkv.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hybridkv.models.loader import load_model
 from hybridkv.models.tokenizer import Tokenizer
 
@@ -55,6 +57,8 @@ class _Request:
     metrics: RequestMetrics
     error: str | None = None
     generators: list[torch.Generator | None] = field(default_factory=list)
+    bad_words: list[list[int]] = field(default_factory=list)  # token ids of each
+    matchers: list[GrammarMatcher | None] = field(default_factory=list)  # per sequence
 
     @property
     def finished(self) -> bool:
@@ -134,6 +138,11 @@ class LLMEngine:
         if not self.eos_token_ids and self.model_config.get("eos_token_id") is not None:
             eos = self.model_config["eos_token_id"]
             self.eos_token_ids = set(eos if isinstance(eos, list) else [eos])
+        self.structured: StructuredOutputManager | None = None
+        if self.tokenizer is not None:
+            self.structured = StructuredOutputManager(
+                self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)
+            )
         model = loaded.model.to(self.device)
         self.runner = ModelRunner(
             model, loaded.spec, self.manager.layout, self.device, poison_arena=config.poison_cache
@@ -244,7 +253,39 @@ class LLMEngine:
             )
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; use stop_token_ids")
+        for token in params.logit_bias or {}:
+            if token >= self.vocab_size:
+                raise ValueError(
+                    f"logit_bias token id {token} is outside the vocabulary [0, {self.vocab_size})"
+                )
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer")
+        if params.structured_outputs is not None:
+            if self.structured is None:
+                raise ValueError("structured outputs need a tokenizer")
+            self.structured.compile(params.structured_outputs)  # a bad grammar raises here
         return text, ids
+
+    def grammar_matchers(self, params: SamplingParams) -> list[GrammarMatcher | None]:
+        """One grammar walk per completion (compiled once per grammar, then cached)."""
+        if params.structured_outputs is None or self.structured is None:
+            return [None] * params.n
+        compiled = self.structured.compile(params.structured_outputs)
+        return [compiled.matcher() for _ in range(params.n)]
+
+    def bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Token ids of each bad word, alone and after a space (vLLM's rule: the spaced form
+        counts only if it is a different first token of the same length)."""
+        if not params.bad_words or self.tokenizer is None:
+            return []
+        result: list[list[int]] = []
+        for word in params.bad_words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            result.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                result.append(spaced)
+        return [ids for ids in result if ids]
 
     def add_request(
         self,
@@ -262,6 +303,8 @@ class LLMEngine:
         """
         params = params if params is not None else SamplingParams()
         text, ids = self.validate_request(prompt, params)
+        bad_words = self.bad_words_ids(params)
+        matchers = self.grammar_matchers(params)
         now = time.monotonic() if arrival_time is None else arrival_time
         with self._lock:
             if request_id in self._pending_ids:
@@ -282,7 +325,16 @@ class LLMEngine:
                 for i in range(params.n)
             ]
             self._inbox.append(
-                _Request(request_id, text, ids, params, seqs, RequestMetrics(arrival_time=now))
+                _Request(
+                    request_id,
+                    text,
+                    ids,
+                    params,
+                    seqs,
+                    RequestMetrics(arrival_time=now),
+                    bad_words=bad_words,
+                    matchers=matchers,
+                )
             )
 
     def abort_request(self, request_id: str) -> None:
@@ -360,21 +412,34 @@ class LLMEngine:
 
     def _sample(
         self, chunks: list[ScheduledChunk], logits: torch.Tensor
-    ) -> dict[int, SampledToken]:
+    ) -> dict[int, SampledToken | SamplingFailure]:
         """The next token of every chunk that reached the end of its known tokens."""
         rows = [i for i, c in enumerate(chunks) if c.samples]
         if not rows:
             return {}
-        params = [chunks[i].seq.params for i in rows]
-        gens = [
-            self._requests[chunks[i].seq.request_id].generators[chunks[i].seq.index] for i in rows
-        ]
-        return dict(zip(rows, sample(logits[rows], params, gens), strict=True))
+        contexts = [self._row_context(chunks[i].seq) for i in rows]
+        return dict(zip(rows, sample(logits[rows], contexts), strict=True))
+
+    def _row_context(self, seq: Sequence) -> RowContext:
+        req = self._requests[seq.request_id]
+        params = seq.params
+        stop_ids: set[int] = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stop_ids |= self.eos_token_ids
+        return RowContext(
+            params=params,
+            generator=req.generators[seq.index],
+            prompt_ids=seq.prompt_token_ids,
+            output_ids=seq.output_token_ids,
+            stop_ids=stop_ids,
+            bad_words=req.bad_words,
+            matcher=req.matchers[seq.index] if req.matchers else None,
+        )
 
     def _postprocess(
         self,
         chunks: list[ScheduledChunk],
-        sampled: dict[int, SampledToken],
+        sampled: dict[int, SampledToken | SamplingFailure],
         touched: dict[str, _Request],
     ) -> None:
         now = time.monotonic()
@@ -384,6 +449,11 @@ class LLMEngine:
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
             token = sampled.get(i)
+            if isinstance(token, SamplingFailure):  # this sequence alone fails
+                req.error = f"sampling failed for this request: {token.message}"
+                self.scheduler.finish(seq, "abort")
+                touched[req.request_id] = req
+                continue
             self.scheduler.advance(chunk, token.token_id if token else None)
             if token is None:
                 continue
@@ -398,6 +468,17 @@ class LLMEngine:
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
             )
+            matcher = req.matchers[seq.index] if req.matchers else None
+            if stop is None and matcher is not None:
+                try:
+                    matcher.accept(token.token_id)
+                except ValueError as exc:
+                    req.error = f"sampling failed for this request: {exc}"
+                    stop = ("abort", None)
+                else:
+                    if matcher.is_finished:  # the grammar is complete: nothing may follow
+                        seq.text = decode_output(seq, self.tokenizer)
+                        stop = ("stop", None)
             if stop is not None:
                 self.scheduler.finish(seq, *stop)
             touched[req.request_id] = req

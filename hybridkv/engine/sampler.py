@@ -1,19 +1,27 @@
 """Sampler: next tokens from the last-position logits, one row per sequence.
 
-Greedy rows take the argmax of the raw logits, so a greedy engine run is comparable token
-for token with transformers' greedy ``generate``. Random rows apply, in vLLM's order,
+Each row first goes through the sequence's logits processors (grammar mask, bad words,
+min_tokens, logit bias, penalties: :mod:`hybridkv.engine.logits_processors`). Greedy rows
+then take the argmax, so a greedy row with nothing to process is comparable token for
+token with transformers' greedy ``generate``. Random rows apply, in vLLM's order,
 temperature, then top-k, top-p and min-p filters, and draw with the sequence's own
 ``torch.Generator``: a seeded request gives the same tokens whatever it is batched with.
-Log-probabilities are those of the raw model distribution (before the filters).
+Log-probabilities are those of the raw model distribution (before any processing).
+
+Rows are sampled independently and a row that cannot be sampled (its filters left no
+token, its logits are not finite) yields a :class:`SamplingFailure` for its own sequence:
+the other rows of the step are not affected.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from hybridkv.engine.logits_processors import RowContext, process
 from hybridkv.engine.sampling_params import SamplingParams
 
 
@@ -23,6 +31,12 @@ class SampledToken:
     logprob: float | None  # of the sampled token; None when logprobs were not asked for
     top: list[tuple[int, float, int]]  # (token id, logprob, rank), most likely first
     rank: int = 0  # rank of the sampled token (1 = most likely); 0 when not computed
+
+
+class SamplingFailure(NamedTuple):
+    """A row that could not be sampled; only its own sequence fails."""
+
+    message: str
 
 
 def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
@@ -36,20 +50,25 @@ def filtered_probs(logits: Tensor, params: SamplingParams) -> Tensor:
         sorted_probs, order = torch.sort(probs, descending=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         drop = mass_before >= params.top_p  # keep the smallest prefix reaching top_p
+        drop[0] = False  # the most likely token stays: a top_p that rounds to 0 in fp32 keeps it
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if params.min_p > 0.0:
         probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     return probs / probs.sum()
 
 
-def sample_row(
-    logits: Tensor, params: SamplingParams, generator: torch.Generator | None
-) -> SampledToken:
+def sample_row(logits: Tensor, row: RowContext) -> SampledToken:
+    params = row.params
+    processed = process(logits, row)
     if params.greedy:
-        token = int(torch.argmax(logits))
+        token = int(torch.argmax(processed))
+        if not torch.isfinite(processed[token]):
+            raise ValueError("no token is allowed (every logit is -inf or NaN)")
     else:
-        probs = filtered_probs(logits, params)
-        token = int(torch.multinomial(probs, 1, generator=generator))
+        probs = filtered_probs(processed, params)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+            raise ValueError("the sampling filters left no token with a finite probability")
+        token = int(torch.multinomial(probs, 1, generator=row.generator))
     if params.logprobs is None:
         return SampledToken(token, None, [])
     logprobs = torch.log_softmax(logits, dim=-1)
@@ -62,13 +81,13 @@ def sample_row(
     return SampledToken(token, chosen, top, rank)
 
 
-def sample(
-    logits: Tensor,
-    params: list[SamplingParams],
-    generators: list[torch.Generator | None],
-) -> list[SampledToken]:
-    """One token per row of ``logits`` [R, vocab]."""
-    rows = logits.float().cpu()
-    return [
-        sample_row(rows[i], p, g) for i, (p, g) in enumerate(zip(params, generators, strict=True))
-    ]
+def sample(logits: Tensor, rows: list[RowContext]) -> list[SampledToken | SamplingFailure]:
+    """One token per row of ``logits`` [R, vocab], or the reason that row failed."""
+    values = logits.float().cpu()
+    results: list[SampledToken | SamplingFailure] = []
+    for i, row in enumerate(rows):
+        try:
+            results.append(sample_row(values[i], row))
+        except (ValueError, RuntimeError) as exc:  # this row only: its neighbours go on
+            results.append(SamplingFailure(str(exc)))
+    return results

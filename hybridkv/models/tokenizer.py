@@ -11,12 +11,36 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+
+# Names the template is rendered with or calls: a caller's template kwargs may not replace
+# them (transformers raises a TypeError or renders garbage; here it is a ValueError).
+RESERVED_TEMPLATE_NAMES = frozenset(
+    {
+        "messages",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "raise_exception",
+        "strftime_now",
+        # jinja2's own globals, which templates use (namespace() above all)
+        "range",
+        "dict",
+        "lipsum",
+        "cycler",
+        "joiner",
+        "namespace",
+    }
+)
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -54,6 +78,49 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}...{% endgeneration %}`` (marks assistant spans for
+    its masks): rendered as its body, so templates that use it work here too."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2's interface)
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
+def check_text(text: str, what: str = "the text") -> None:
+    """Refuse text that cannot be UTF-8 (a lone surrogate such as ``"\\ud800"``, which
+    JSON allows): the tokenizer would raise a TypeError deep inside instead.
+
+    Raises:
+        ValueError: naming ``what`` and the position of the first bad character.
+    """
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{what} contains a lone surrogate (U+{ord(text[exc.start]):04X} at character "
+            f"{exc.start}), which is not valid Unicode text"
+        ) from None
+
+
+def _template_env() -> ImmutableSandboxedEnvironment:
+    """The environment transformers renders chat templates in (loop controls included)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[jinja2.ext.loopcontrols, _GenerationTag],
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env
+
+
 class Tokenizer:
     """encode / decode / apply_chat_template over a checkpoint directory's files."""
 
@@ -66,6 +133,7 @@ class Tokenizer:
         self.add_bos_token = bool(tok_cfg.get("add_bos_token", False))
         self.chat_template = _chat_template(model_dir, tok_cfg)
         self.eos_token_ids = self._eos_ids(model_dir)
+        self._compiled_template: jinja2.Template | None = None
 
     def _eos_ids(self, model_dir: Path) -> list[int]:
         """generation_config.json, else config.json (text_config too), else the eos token."""
@@ -85,8 +153,23 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    @cached_property
+    def max_token_chars(self) -> int:
+        """Characters of the longest token (added tokens included): a text longer than
+        ``n * max_token_chars`` characters has more than ``n`` tokens, without tokenizing."""
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        return max((len(piece) for piece in vocab), default=1)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of ``text``. ``encode_batch`` rather than ``encode``: it lets go of the
+        GIL while it works, so a server's event loop keeps running during a long prompt.
+
+        Raises:
+            ValueError: the text contains a lone surrogate.
+        """
+        check_text(text)
+        [encoding] = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        ids = encoding.ids
         if add_special_tokens and self.add_bos_token and self.bos_token:
             bos = self.backend.token_to_id(self.bos_token)
             if bos is not None and (not ids or ids[0] != bos):
@@ -96,6 +179,42 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The conversation as text, rendered the way transformers' ``apply_chat_template``
+        renders it: sandboxed jinja2 with loop controls, ``messages``, ``tools`` (None when
+        not given), ``add_generation_prompt``, the special tokens, then the caller's kwargs.
+
+        Raises:
+            ValueError: no chat template, or ``template_kwargs`` names a reserved variable.
+            jinja2.TemplateError: the template rejected the conversation.
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        extra = dict(template_kwargs or {})
+        if clash := RESERVED_TEMPLATE_NAMES & extra.keys():
+            raise ValueError(f"chat template kwargs may not set {sorted(clash)}")
+        if self._compiled_template is None:
+            self._compiled_template = _template_env().from_string(self.chat_template)
+        variables: dict[str, Any] = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+        }
+        variables.update(extra)  # transformers lets kwargs replace the special tokens
+        return self._compiled_template.render(
+            messages=list(messages),
+            tools=list(tools) if tools is not None else None,
+            documents=None,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -103,22 +222,12 @@ class Tokenizer:
         tokenize: bool = False,
         **kwargs: Any,
     ) -> str | list[int]:
-        """Render the checkpoint's chat template (sandboxed jinja2, as transformers does).
+        """:meth:`render_chat` with transformers' call shape (``kwargs`` go to the template).
 
         Raises:
             ValueError: the checkpoint ships no chat template.
         """
-        if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_exception
-        env.globals["strftime_now"] = _strftime_now
-        env.filters["tojson"] = _tojson
-        text = env.from_string(self.chat_template).render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-            **kwargs,
+        text = self.render_chat(
+            messages, add_generation_prompt=add_generation_prompt, template_kwargs=kwargs
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text

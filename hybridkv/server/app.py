@@ -1,8 +1,9 @@
 """The FastAPI app: OpenAI routes over one engine, health, metrics, auth, limits.
 
-Authentication: with ``api_key`` set, every ``/v1/*`` route needs ``Authorization: Bearer
-<key>`` (else 401). ``/health`` and ``/metrics`` stay open, as in vLLM: load balancers and
-Prometheus scrapers probe them without credentials, and they reveal no prompts or outputs.
+Authentication: with ``api_key`` set, every ``/v1/*`` route, ``/tokenize`` and
+``/detokenize`` need ``Authorization: Bearer <key>`` (else 401). ``/health``, ``/metrics``
+and ``/version`` stay open, as in vLLM: load balancers and Prometheus scrapers probe them
+without credentials, and they reveal no prompts or outputs.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from hybridkv import __version__
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.server.async_engine import AsyncEngine
 from hybridkv.server.chat import create_chat_completion
@@ -26,11 +28,16 @@ from hybridkv.server.metrics import ServerMetrics
 from hybridkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
+    TokenizeRequest,
+    VersionResponse,
     dump,
 )
 from hybridkv.server.serving import ServingContext, now_s
+from hybridkv.server.tokenize import detokenize, tokenize
+from hybridkv.server.tool_parsers import HermesToolParser, ToolParser
 
 
 def _auth_dependency(api_key: str | None) -> Callable[[Request], Awaitable[None]]:
@@ -55,10 +62,17 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_auth_dependency(api_key))])
     created = now_s()
 
+    def card() -> ModelCard:
+        return ModelCard(id=ctx.model_name, created=created, max_model_len=ctx.max_model_len)
+
     @router.get("/models")
     async def models() -> JSONResponse:
-        card = ModelCard(id=ctx.model_name, created=created, max_model_len=ctx.max_model_len)
-        return JSONResponse(dump(ModelList(data=[card])))
+        return JSONResponse(dump(ModelList(data=[card()])))
+
+    @router.get("/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        ctx.check_model(model_id)
+        return JSONResponse(dump(card()))
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -71,12 +85,29 @@ def _v1_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
     return router
 
 
+def _tokenizer_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+    """vLLM's ``/tokenize`` and ``/detokenize`` (at the root, as vLLM serves them; they
+    need the API key too: they spend CPU on the caller's text)."""
+    router = APIRouter(dependencies=[Depends(_auth_dependency(api_key))])
+
+    @router.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest) -> JSONResponse:
+        return JSONResponse(await tokenize(ctx, body))
+
+    @router.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
+        return JSONResponse(await detokenize(ctx, body))
+
+    return router
+
+
 def create_app(
     engine: LLMEngine | AsyncEngine,
     served_model_name: str,
     api_key: str | None = None,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    tool_parser: ToolParser | None = None,
 ) -> FastAPI:
     """An app serving ``engine`` under ``served_model_name``.
 
@@ -88,10 +119,16 @@ def create_app(
         served_model_name: the only ``model`` value requests may name (else 404).
         api_key: if set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
         max_body_bytes: larger request bodies get a 413.
+        tool_parser: how the model writes tool calls (default: hermes).
     """
     front = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     metrics = ServerMetrics()
-    ctx = ServingContext(engine=front, model_name=served_model_name, metrics=metrics)
+    ctx = ServingContext(
+        engine=front,
+        model_name=served_model_name,
+        metrics=metrics,
+        tool_parser=tool_parser or HermesToolParser(),
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -106,6 +143,11 @@ def create_app(
     install_error_handlers(app)
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
     app.include_router(_v1_router(ctx, api_key))
+    app.include_router(_tokenizer_router(ctx, api_key))
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse(dump(VersionResponse(version=__version__)))
 
     @app.get("/health")
     async def health() -> Response:

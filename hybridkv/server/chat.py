@@ -6,12 +6,12 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-import jinja2
 from fastapi.responses import Response
 from starlette.requests import Request
 
-from hybridkv.engine.llm import render_chat
 from hybridkv.engine.outputs import Logprob, RequestOutput
+from hybridkv.models.tokenizer import RESERVED_TEMPLATE_NAMES, Tokenizer
+from hybridkv.server.constraints import ToolUse, compile_structure, output_structure, tool_use
 from hybridkv.server.errors import APIError
 from hybridkv.server.protocol import (
     AssistantMessage,
@@ -22,7 +22,11 @@ from hybridkv.server.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatMessage,
+    DeltaFunction,
     DeltaMessage,
+    DeltaToolCall,
+    ResponseFunction,
+    ResponseToolCall,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -39,16 +43,15 @@ from hybridkv.server.serving import (
     sampling_params,
     usage,
 )
-
-# Names the template is rendered with; chat_template_kwargs may not replace them.
-RESERVED_TEMPLATE_KWARGS = {"messages", "add_generation_prompt", "bos_token", "eos_token"}
+from hybridkv.server.tool_parsers import ToolCallStream, ToolParser
 
 
-def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Messages as the template sees them: role and text content (and name, if given).
+def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the template sees them: role, text content (None for an assistant
+    message that only calls tools), and name, tool_calls, tool_call_id as given.
 
     Raises:
-        APIError: a non-assistant message without content.
+        APIError: a message without content, other than an assistant's.
     """
     rendered = []
     for i, m in enumerate(messages):
@@ -57,30 +60,71 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
                 f"messages.{i}.content: a {m.role} message needs content",
                 param=f"messages.{i}.content",
             )
-        entry = {"role": m.role, "content": m.text()}
+        entry: dict[str, Any] = {"role": m.role}
+        entry["content"] = None if m.content is None and m.tool_calls else m.text()
         if m.name is not None:
             entry["name"] = m.name
+        if m.tool_calls is not None:
+            entry["tool_calls"] = [c.model_dump(exclude_none=True) for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
         rendered.append(entry)
     return rendered
 
 
-async def chat_prompt_ids(ctx: ServingContext, req: ChatCompletionRequest) -> list[int]:
-    """Token ids of the rendered conversation (rendered and tokenized off the event loop)."""
-    tokenizer = ctx.engine.engine.tokenizer
+def _render_ids(
+    tokenizer: Tokenizer,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    kwargs: dict[str, Any],
+    tools: list[dict[str, Any]] | None,
+    max_chars: int,
+) -> list[int] | int:
+    """Token ids of the rendered conversation, or its length in characters if too long."""
+    text = tokenizer.render_chat(
+        messages,
+        add_generation_prompt=add_generation_prompt,
+        tools=tools,
+        template_kwargs=kwargs,
+    )
+    if len(text) > max_chars:
+        return len(text)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+async def chat_prompt_ids(
+    ctx: ServingContext, req: ChatCompletionRequest, tools: ToolUse | None = None
+) -> list[int]:
+    """Token ids of the rendered conversation (rendered and tokenized off the event loop).
+
+    The messages' characters are counted first, and the rendered text's before tokenizing:
+    a conversation too long for the context is refused without tokenizing it.
+    """
+    tokenizer = ctx.tokenizer
     if tokenizer is None or tokenizer.chat_template is None:
         raise APIError("this model has no chat template; use /v1/completions", param="messages")
     kwargs = dict(req.chat_template_kwargs or {})
-    if clash := RESERVED_TEMPLATE_KWARGS & kwargs.keys():
+    if clash := RESERVED_TEMPLATE_NAMES & kwargs.keys():
         raise APIError(
-            f"chat_template_kwargs may not set {sorted(clash)}", param="chat_template_kwargs"
+            f"chat_template_kwargs may not set {sorted(clash)}: the template's own names",
+            param="chat_template_kwargs",
         )
     messages = template_messages(req.messages)
+    ctx.check_prompt_chars(sum(len(m["content"] or "") for m in messages), "messages")
+    tool_list = tools.tools if tools is not None else None
     try:
-        return await asyncio.to_thread(
-            render_chat, tokenizer, messages, req.add_generation_prompt, kwargs
-        )
-    except (ValueError, jinja2.TemplateError) as exc:
+        rendered = await asyncio.to_thread(
+            _render_ids, tokenizer, messages, req.add_generation_prompt, kwargs, tool_list,
+            ctx.max_prompt_chars,
+        )  # fmt: skip
+    except ValueError as exc:
+        raise APIError(str(exc), param="messages") from exc
+    except Exception as exc:  # the template's own error, or a TypeError inside it
         raise APIError(f"the chat template rejected the messages: {exc}", param="messages") from exc
+    if isinstance(rendered, int):
+        ctx.check_prompt_chars(rendered, "messages")
+    assert isinstance(rendered, list)
+    return rendered
 
 
 def chat_logprobs(
@@ -109,35 +153,72 @@ def chat_logprobs(
 
 
 class _Formatter:
-    """Builds this endpoint's response, chunk and usage objects for one request."""
+    """Builds this endpoint's response, chunk and usage objects for one request.
 
-    def __init__(self, req: ChatCompletionRequest, request_id: str, model: str) -> None:
+    With a tool parser, each choice's text is split into content and ``tool_calls``: at
+    the end for a whole response, and while streaming as OpenAI streams them (content
+    deltas, then one ``tool_calls`` delta per call once its closing tag arrived).
+    """
+
+    def __init__(
+        self,
+        req: ChatCompletionRequest,
+        request_id: str,
+        model: str,
+        parser: ToolParser | None = None,
+    ) -> None:
         self.req = req
         self.request_id = request_id
         self.model = model
         self.created = now_s()
         self.top = req.top_logprobs or 0
+        self.parser = parser
         self._started: set[int] = set()  # choices whose first chunk (with the role) went out
+        self._texts: dict[int, str] = {}  # streamed text so far, per choice (tool parsing)
+        self._streams: dict[int, ToolCallStream] = {}
 
     def _logprobs(self, delta: ChoiceDelta) -> ChatLogprobs | None:
         if not self.req.logprobs:
             return None
         return chat_logprobs(delta.logprobs, delta.token_ids, self.top)
 
+    def _stream_tools(self, d: ChoiceDelta) -> tuple[str, list[DeltaToolCall], bool]:
+        """(content to send, call deltas, any call so far) for one streamed delta."""
+        if self.parser is None:
+            return d.text, [], False
+        text = self._texts.get(d.index, "") + d.text
+        self._texts[d.index] = text
+        stream = self._streams.setdefault(d.index, self.parser.stream())
+        first = stream.num_calls
+        content, calls = stream.feed(text, final=d.finish_reason is not None)
+        deltas = [
+            DeltaToolCall(
+                index=first + i,
+                id=call.id,
+                type="function",
+                function=DeltaFunction(name=call.name, arguments=call.arguments),
+            )
+            for i, call in enumerate(calls)
+        ]
+        return content, deltas, stream.num_calls > 0
+
     def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
         choices = []
         for d in deltas:
             first = d.index not in self._started
             self._started.add(d.index)
+            content, calls, called = self._stream_tools(d)
             message = DeltaMessage(
-                role="assistant" if first else None, content=d.text or ("" if first else None)
+                role="assistant" if first else None,
+                content=content or ("" if first else None),
+                tool_calls=calls or None,
             )
             choices.append(
                 ChatChunkChoice(
                     index=d.index,
                     delta=message,
                     logprobs=self._logprobs(d),
-                    finish_reason=d.finish_reason,
+                    finish_reason=_finish_reason(d.finish_reason, called),
                     stop_reason=d.stop_reason,
                     token_ids=d.token_ids if self.req.return_token_ids else None,
                 )
@@ -161,16 +242,27 @@ class _Formatter:
         )
         return dump(chunk)
 
+    def _message(self, text: str) -> AssistantMessage:
+        if self.parser is None:
+            return AssistantMessage(content=text)
+        found = self.parser.extract(text)
+        calls = [
+            ResponseToolCall(id=c.id, function=ResponseFunction(name=c.name, arguments=c.arguments))
+            for c in found.calls
+        ]
+        return AssistantMessage(content=found.content, tool_calls=calls or None)
+
     def response(self, out: RequestOutput) -> dict[str, Any]:
         choices = []
         for c in out.outputs:
             whole = ChoiceDelta.whole(c)
+            message = self._message(c.text)
             choices.append(
                 ChatChoice(
                     index=c.index,
-                    message=AssistantMessage(content=c.text),
+                    message=message,
                     logprobs=self._logprobs(whole),
-                    finish_reason=c.finish_reason,
+                    finish_reason=_finish_reason(c.finish_reason, bool(message.tool_calls)),
                     stop_reason=c.stop_reason,
                     token_ids=c.token_ids if self.req.return_token_ids else None,
                 )
@@ -186,6 +278,11 @@ class _Formatter:
         return dump(response)
 
 
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI's ``tool_calls`` when a choice that stopped by itself called tools."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 async def create_chat_completion(
     ctx: ServingContext, req: ChatCompletionRequest, raw: Request
 ) -> Response:
@@ -198,13 +295,17 @@ async def create_chat_completion(
     # None generates until max_model_len, as OpenAI's chat endpoint does.
     newer = req.max_completion_tokens
     max_tokens = newer if newer is not None else req.max_tokens
+    tools = tool_use(req, ctx.tool_parser)
+    param, structure = output_structure(req, tools)
     try:
-        params = sampling_params(req, max_tokens, logprobs)
+        params = sampling_params(req, max_tokens, logprobs, structured_outputs=structure)
     except APIError as exc:
         if exc.param == "logprobs" and req.top_logprobs is not None:
             exc.param = "top_logprobs"
         raise
-    prompt_ids = await chat_prompt_ids(ctx, req)
+    await compile_structure(ctx, structure, param)
+    prompt_ids = await chat_prompt_ids(ctx, req, tools)
     check_length(ctx, len(prompt_ids), max_tokens, "messages")
-    fmt = _Formatter(req, new_id("chatcmpl"), ctx.model_name)
+    parser = ctx.tool_parser if tools is not None and tools.parse else None
+    fmt = _Formatter(req, new_id("chatcmpl"), ctx.model_name, parser)
     return await respond(ctx, raw, fmt, prompt_ids, params, req.stream, req.stream_options)

@@ -10,6 +10,7 @@ from starlette.requests import Request
 
 from hybridkv.engine.outputs import Logprob, RequestOutput
 from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.server.constraints import compile_structure, output_structure
 from hybridkv.server.errors import APIError
 from hybridkv.server.protocol import (
     CompletionChoice,
@@ -141,7 +142,11 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
         raise APIError("suffix is not supported by this server", param="suffix")
     prompt = single_prompt(req.prompt)
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    params: SamplingParams = sampling_params(req, max_tokens, req.logprobs)
+    param, structure = output_structure(req, None)
+    params: SamplingParams = sampling_params(
+        req, max_tokens, req.logprobs, structured_outputs=structure
+    )
+    await compile_structure(ctx, structure, param)
     prompt_ids = await encode_in_thread(ctx, prompt)
     check_length(ctx, len(prompt_ids), max_tokens, "prompt")
     fmt = _Formatter(req, new_id("cmpl"), ctx.model_name)

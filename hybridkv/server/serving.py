@@ -24,8 +24,10 @@ from hybridkv.engine.sampling_params import GREEDY_BELOW, SamplingParams
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.errors import APIError, error_body
 from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.tool_parsers import HermesToolParser, ToolParser
 
 if TYPE_CHECKING:
+    from hybridkv.models.tokenizer import Tokenizer
     from hybridkv.server.protocol import SamplingFields, StreamOptions
 
 T = TypeVar("T")
@@ -39,10 +41,35 @@ class ServingContext:
     engine: AsyncEngine
     model_name: str
     metrics: ServerMetrics
+    tool_parser: ToolParser = field(default_factory=HermesToolParser)
 
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Characters a prompt may have: more cannot fit in max_model_len tokens whatever
+        they are (no token is longer than the longest in the vocabulary), so longer text
+        is refused before the tokenizer spends seconds on it."""
+        tokenizer = self.tokenizer
+        longest = tokenizer.max_token_chars if tokenizer is not None else 1
+        return self.max_model_len * max(1, longest)
+
+    def check_prompt_chars(self, num_chars: int, param: str) -> None:
+        """A 400 for text too long to fit in the context, counted before tokenizing."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(
+                f"this model's maximum context length is {self.max_model_len} tokens, and "
+                f"the prompt has {num_chars} characters: more than {self.max_prompt_chars} "
+                f"characters can never fit in it",
+                param=param,
+                code="context_length_exceeded",
+            )
 
     def check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -64,19 +91,35 @@ def now_s() -> int:
 
 def refuse_unsupported(req: SamplingFields) -> None:
     """OpenAI fields this engine cannot honour: a 400 unless they are at their no-op value."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise APIError(f"{name} is not supported by this server (use 0)", param=name)
-    if req.logit_bias:
-        raise APIError("logit_bias is not supported by this server", param="logit_bias")
     if req.best_of is not None and req.best_of != req.n:
         raise APIError("best_of is not supported by this server (use n)", param="best_of")
 
 
+def logit_bias(req: SamplingFields) -> dict[int, float] | None:
+    """OpenAI's logit_bias (token id strings as keys) with integer keys."""
+    if not req.logit_bias:
+        return None
+    bias = {}
+    for key, value in req.logit_bias.items():
+        if not key.isdigit() or not key.isascii():
+            raise APIError(
+                f"logit_bias keys must be token ids (decimal integers), got {key!r}",
+                param="logit_bias",
+            )
+        bias[int(key)] = value
+    return bias
+
+
 def sampling_params(
-    req: SamplingFields, max_tokens: int | None, logprobs: int | None
+    req: SamplingFields,
+    max_tokens: int | None,
+    logprobs: int | None,
+    **extra: Any,
 ) -> SamplingParams:
-    """The engine's SamplingParams; its ValueError (it names the field) becomes a 400."""
+    """The engine's SamplingParams; its ValueError (it names the field) becomes a 400.
+
+    ``extra``: more SamplingParams fields the endpoint decided (structured outputs...).
+    """
     temperature = req.temperature
     if 0 < temperature < GREEDY_BELOW:
         temperature = 0.0
@@ -93,6 +136,13 @@ def sampling_params(
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=req.repetition_penalty,
+            logit_bias=logit_bias(req),
+            min_tokens=req.min_tokens,
+            bad_words=req.bad_words,
+            **extra,
         )
     except ValueError as exc:
         first = str(exc).split(" ", 1)[0]
@@ -122,7 +172,10 @@ def check_length(
 
 
 async def encode_in_thread(ctx: ServingContext, prompt: Any) -> list[int]:
-    """Token ids of a prompt, tokenized off the event loop (a 4 MiB prompt takes a while)."""
+    """Token ids of a prompt, tokenized off the event loop (a 4 MiB prompt takes a while);
+    text that cannot fit in the context is refused before the tokenizer sees it."""
+    if isinstance(prompt, str):
+        ctx.check_prompt_chars(len(prompt), "prompt")
     try:
         _, ids = await asyncio.to_thread(ctx.engine.engine.encode_prompt, prompt)
     except ValueError as exc:

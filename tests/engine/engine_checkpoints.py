@@ -45,3 +45,18 @@ def build_checkpoint(arch: str, model_dir: Path, seed: int = 0) -> Any:
         config.setdefault("num_hidden_layers", len(config["layers_block_type"]))
         config_path.write_text(json.dumps(config))
     return hf
+
+
+def tight_cache_gib(path: Path, options: dict[str, Any]) -> float:
+    """A cache that holds one max_model_len sequence: about one of these requests at a
+    time, so running nine at once needs preemption, and caching them needs eviction."""
+    from hybridkv import LLM
+
+    probe = LLM(str(path), **options)
+    layout, spec = probe.engine.manager.layout, probe.engine.spec
+    chunks_needed = 0
+    for g in spec.groups:
+        per_chunk = layout.pages_per_chunk(g.group_id)
+        pages = 3 if g.is_recurrent else -(-options["max_model_len"] // options["block_size"])
+        chunks_needed += -(-pages // per_chunk)
+    return chunks_needed * layout.chunk_bytes / (1 << 30)

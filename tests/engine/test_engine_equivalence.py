@@ -10,11 +10,10 @@ state snapshot exists inside it).
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_checkpoints import ARCHITECTURES
+from engine_checkpoints import ARCHITECTURES, tight_cache_gib
 from hybrid_checks import prompt
 from tiny import hf_logits
 
@@ -117,16 +116,3 @@ def test_memory_pressure_preempts_and_evicts_without_changing_outputs(
     assert_all_released(small)
     for p, tokens in zip(prompts, got, strict=True):
         assert_transformers_greedy(hf, p, tokens)
-
-
-def tight_cache_gib(path: Path, options: dict[str, Any]) -> float:
-    """A cache that holds one max_model_len sequence: about one of these requests at a
-    time, so running nine at once needs preemption, and caching them needs eviction."""
-    probe = LLM(str(path), **options)
-    layout, spec = probe.engine.manager.layout, probe.engine.spec
-    chunks_needed = 0
-    for g in spec.groups:
-        per_chunk = layout.pages_per_chunk(g.group_id)
-        pages = 3 if g.is_recurrent else -(-options["max_model_len"] // options["block_size"])
-        chunks_needed += -(-pages // per_chunk)
-    return chunks_needed * layout.chunk_bytes / (1 << 30)

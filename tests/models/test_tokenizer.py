@@ -47,3 +47,49 @@ def test_chat_template_from_jinja_file(tmp_path: Path) -> None:
     (tmp_path / "chat_template.jinja").write_text("{{ messages | tojson }}")
     rendered = Tokenizer(tmp_path).apply_chat_template([{"role": "user", "content": "é"}])
     assert rendered == '[{"role": "user", "content": "é"}]'
+
+
+LOOP_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}"
+    "{% if loop.index > 3 %}{% break %}{% endif %}"
+    "{% generation %}[{{ m['role'] }}]{{ m['content'] }}{% endgeneration %}{% endfor %}"
+)
+
+
+def test_loop_controls_and_generation_tag_render_as_transformers(tmp_path: Path) -> None:
+    """Regression: the sandbox refused {% break %} / {% continue %}, which transformers'
+    environment (and so every checkpoint template) may use."""
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = LOOP_TEMPLATE
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    messages = [
+        {"role": "system", "content": "s"},
+        *({"role": "user" if i % 2 else "assistant", "content": str(i)} for i in range(6)),
+    ]
+    ours = Tokenizer(tmp_path).apply_chat_template(messages, add_generation_prompt=False)
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"))
+    theirs = hf.apply_chat_template(
+        messages, chat_template=LOOP_TEMPLATE, tokenize=False, add_generation_prompt=False
+    )
+    assert ours == theirs == "[assistant]0[user]1"
+
+
+@pytest.mark.parametrize("name", ["tokenize", "namespace", "messages", "tools"])
+def test_template_kwargs_may_not_replace_template_names(tok: Tokenizer, name: str) -> None:
+    with pytest.raises(ValueError, match=name):
+        tok.render_chat([{"role": "user", "content": "hi"}], template_kwargs={name: 1})
+
+
+def test_lone_surrogate_is_a_value_error(tok: Tokenizer) -> None:
+    """Regression: the tokenizers library raised a TypeError (a 500 in the server)."""
+    with pytest.raises(ValueError, match="lone surrogate"):
+        tok.encode("a\ud800b")
+
+
+def test_max_token_chars_bounds_the_text_of_any_token(tok: Tokenizer) -> None:
+    assert tok.max_token_chars == len("<|endoftext|>")
+    text = "<|endoftext|>" * 5
+    assert len(tok.encode(text)) * tok.max_token_chars >= len(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -85,3 +86,9 @@ def wait_idle(http: httpx.Client, timeout_s: float = 20.0) -> dict[str, float]:
         if time.monotonic() > deadline:
             raise AssertionError(f"the server did not go idle: {metrics}")
         time.sleep(0.05)
+
+
+def post_ascii(http: httpx.Client, path: str, body: Any) -> httpx.Response:
+    """POST ``body`` as ASCII JSON: lone surrogates go out as ``\\ud800`` escapes, which
+    JSON allows (httpx's own encoder refuses them)."""
+    return http.post(path, content=json.dumps(body), headers={"content-type": "application/json"})

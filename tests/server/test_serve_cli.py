@@ -65,7 +65,11 @@ def test_serve_bad_model_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 @pytest.mark.parametrize(
     ("flag", "value", "words"),
-    [("--port", "70000", "--port must be in"), ("--max-body-mib", "0", "--max-body-mib")],
+    [
+        ("--port", "70000", "--port must be in"),
+        ("--max-body-mib", "0", "--max-body-mib"),
+        ("--tool-call-parser", "nope", "unknown tool call parser"),
+    ],
 )
 def test_serve_bad_flags(
     checkpoint: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, words: str

@@ -221,3 +221,35 @@ def test_metrics_exposes_engine_state(http: httpx.Client) -> None:
         assert name in metrics, name
     assert metrics["hybridkv_time_to_first_token_seconds_count"] > 0
     assert metrics["hybridkv_generation_tokens_total"] > 0
+
+
+def test_penalties_and_logit_bias_match_the_offline_engine(client: Any, offline: LLM) -> None:
+    """OpenAI's penalties and logit_bias, vLLM's repetition_penalty, min_tokens and bad_words
+    reach the sampler: the server's tokens equal the offline engine's with the same params."""
+    [a] = offline.get_tokenizer().encode("a")
+    processors: dict[str, Any] = {
+        "presence_penalty": 1.5,
+        "frequency_penalty": 0.5,
+        "repetition_penalty": 1.3,
+        "min_tokens": 2,
+        "bad_words": ["e"],
+    }
+    ref = offline_ids(offline, PROMPT, temperature=0, max_tokens=12, ignore_eos=True,
+                      logit_bias={a: 3.0}, **processors)  # fmt: skip
+    response = client.completions.create(
+        model=MODEL_NAME,
+        prompt=PROMPT,
+        presence_penalty=1.5,
+        frequency_penalty=0.5,
+        logit_bias={str(a): 3.0},
+        extra_body={**EXTRA, **{k: v for k, v in processors.items() if "quency" not in k
+                                and "presence" not in k}},
+        **GREEDY,
+    )  # fmt: skip
+    assert response.choices[0].model_extra["token_ids"] == ref.token_ids
+    plain = offline_ids(offline, PROMPT, temperature=0, max_tokens=12, ignore_eos=True)
+    assert plain.token_ids != ref.token_ids
+    forced = client.completions.create(
+        model=MODEL_NAME, prompt=PROMPT, logit_bias={str(a): 100}, **GREEDY
+    )
+    assert forced.choices[0].text == "a" * 12
