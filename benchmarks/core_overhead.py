@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.eviction import EvictionPolicy
-from hybridkv.core.groups.base import ReqId
+from hybridkv.core.ids import ReqId
 from hybridkv.core.manager import CacheConfig, CacheManager, Hit
 from hybridkv.core.model_config import load_model_spec
 

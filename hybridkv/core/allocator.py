@@ -23,8 +23,9 @@ from collections.abc import Mapping
 
 from hybridkv.core.arena import ChunkArena
 from hybridkv.core.eviction import Candidate, EvictionPolicy, pick_victim
+from hybridkv.core.ids import PageId
 from hybridkv.core.layout import ArenaLayout
-from hybridkv.core.pool import CachedPage, EvictedChunk, PageId, PagePool
+from hybridkv.core.pool import CachedPage, EvictedChunk, PagePool
 
 EVICTION_WINDOW = 16  # oldest cached pages per group considered by the cost policy
 

@@ -13,21 +13,20 @@ Per request and per step::
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from hybridkv.core.allocator import PageAllocator
 from hybridkv.core.arena import static_split
-from hybridkv.core.checkpoint import CheckpointPolicy
+from hybridkv.core.config import CacheConfig
 from hybridkv.core.coordinator import longest_hybrid_hit
-from hybridkv.core.eviction import EvictionPolicy
 from hybridkv.core.groups.attention import AttentionGroup
-from hybridkv.core.groups.base import GroupManager, ReqId
+from hybridkv.core.groups.base import CachedRequest, GroupManager
 from hybridkv.core.groups.recurrent import RecurrentGroup
 from hybridkv.core.groups.sliding import SlidingWindowGroup
-from hybridkv.core.hashing import BlockHash, extend_block_hashes, root_hash
+from hybridkv.core.hashing import extend_block_hashes, root_hash
+from hybridkv.core.ids import PageId, ReqId
 from hybridkv.core.layout import ArenaLayout, build_layout
-from hybridkv.core.pool import PageId
 from hybridkv.core.spec import (
     AttentionSpec,
     GroupSpec,
@@ -37,27 +36,17 @@ from hybridkv.core.spec import (
     Spec,
 )
 
-MANAGER_FOR: dict[type[Spec], type[GroupManager]] = {
+__all__ = ["Allocation", "CacheConfig", "CacheManager", "CacheUsage", "GroupUsage", "Hit"]
+
+# The table: one manager class per spec kind. Token groups keep block tables, state
+# groups keep live states and snapshots; the façade reaches each through its own table.
+TOKEN_MANAGER_FOR: dict[type[Spec], type[AttentionGroup]] = {
     AttentionSpec: AttentionGroup,
     SlidingWindowSpec: SlidingWindowGroup,
+}
+STATE_MANAGER_FOR: dict[type[Spec], type[RecurrentGroup]] = {
     RecurrentStateSpec: RecurrentGroup,
 }
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class CacheConfig:
-    """How the cache is sized and what it keeps."""
-
-    memory_bytes: int
-    block_tokens: int = 16
-    enable_prefix_caching: bool = True
-    checkpoint: CheckpointPolicy = field(default_factory=CheckpointPolicy)
-    eviction: EvictionPolicy = EvictionPolicy.LRU
-    eviction_alpha: float = 1.0
-    cache_salt: str = ""  # anything else that changes what a cached page means
-    # None: memory flows between groups. A fraction: recurrent groups are pinned to that
-    # share of the chunks and attention to the rest (emulates SGLang's static split).
-    state_memory_fraction: float | None = None
 
 
 class Hit(NamedTuple):
@@ -74,16 +63,36 @@ class Allocation(NamedTuple):
     new_pages: tuple[tuple[PageId, ...], ...]  # new_pages[g]: pages group g added
     restores: tuple[StateCopy, ...]  # snapshot → live, before the forward
     snapshots: tuple[StateCopy, ...]  # live → snapshot, after the forward
+    num_computed_tokens: int  # tokens in the cache before this step (the hit, at admission)
+    num_cached_tokens: int  # prompt tokens the first admission found cached
 
 
-@dataclass(slots=True)
-class _Request:
-    tokens: list[int]
-    prompt_len: int
-    hashes: list[BlockHash] = field(default_factory=list)
-    num_computed: int = 0
-    num_cached_tokens: int = 0
-    started: bool = False
+class GroupUsage(NamedTuple):
+    """One group's pages right now."""
+
+    group_id: int
+    kind: str
+    num_layers: int
+    page_bytes: int
+    pages_used: int  # referenced by running requests
+    pages_cached: int  # reusable by a hit, evictable
+    pages_free: int  # in the group's chunks, holding nothing
+    chunks: int  # chunks the group owns
+    pages_evicted: int  # since start
+
+
+class CacheUsage(NamedTuple):
+    """What the cache holds and has done: the one read the engine and simulator make."""
+
+    groups: tuple[GroupUsage, ...]
+    state_pages_used: int  # live states and held snapshots, all recurrent groups
+    snapshots_taken: int  # per recurrent group (all take them together)
+    snapshots_dropped: int  # superseded snapshots retention let go
+    pages_evicted: int
+    free_chunks: int
+    num_requests: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
 
 
 @dataclass(slots=True)
@@ -110,26 +119,30 @@ class CacheManager:
         self.allocator = PageAllocator(
             self.layout, config.eviction, config.eviction_alpha, partition
         )
+        self.token_groups: dict[int, AttentionGroup] = {}
+        self.state_groups: dict[int, RecurrentGroup] = {}
         self.groups: list[GroupManager] = [self._make_group(g) for g in model.groups]
-        self.recurrent = [g for g in self.groups if isinstance(g, RecurrentGroup)]
+        self.recurrent = list(self.state_groups.values())
         self._root = root_hash(model.name, model.model_type, model.dtype, config.cache_salt)
-        self._reqs: dict[ReqId, _Request] = {}
+        self._reqs: dict[ReqId, CachedRequest] = {}
         self.stats = CacheStats()
 
     def _make_group(self, group: GroupSpec) -> GroupManager:
-        cls = MANAGER_FOR[type(group.spec)]
-        if cls is RecurrentGroup:
-            return RecurrentGroup(
-                group, self.allocator, self.block_tokens, caching=self.config.enable_prefix_caching
-            )
-        return cls(group, self.allocator, self.block_tokens)
+        kind = type(group.spec)
+        if kind in STATE_MANAGER_FOR:
+            state = STATE_MANAGER_FOR[kind](group, self.allocator, self.config)
+            self.state_groups[group.group_id] = state
+            return state
+        tokens = TOKEN_MANAGER_FOR[kind](group, self.allocator, self.config)
+        self.token_groups[group.group_id] = tokens
+        return tokens
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int]) -> None:
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} is already in the cache")
-        req = _Request(tokens=list(prompt_token_ids), prompt_len=len(prompt_token_ids))
+        req = CachedRequest(tokens=list(prompt_token_ids), prompt_len=len(prompt_token_ids))
         extend_block_hashes(req.hashes, self._root, req.tokens, self.block_tokens)
         self._reqs[req_id] = req
 
@@ -178,12 +191,19 @@ class CacheManager:
                 return None
             new_pages.append(tuple(pages))
         self.allocator.end()
+        computed = req.num_computed
         if first:
-            self._start(req_id, req)
+            self._start(req)
         restores = self._restores(req_id, req.num_cached_tokens) if first else ()
-        return Allocation(tuple(new_pages), restores, self._reserve_snapshots(req_id, req, total))
+        return Allocation(
+            tuple(new_pages),
+            restores,
+            self._reserve_snapshots(req_id, req, total),
+            num_computed_tokens=computed,
+            num_cached_tokens=req.num_cached_tokens,
+        )
 
-    def _start(self, req_id: ReqId, req: _Request) -> None:
+    def _start(self, req: CachedRequest) -> None:
         req.started = True
         req.num_cached_tokens = req.num_computed
         self.stats.query_tokens += req.prompt_len
@@ -196,10 +216,7 @@ class CacheManager:
             self._reqs[req_id].num_computed = 0
             return
         for group, pages in zip(self.groups, new_pages, strict=False):
-            if isinstance(group, AttentionGroup) and pages:
-                del group.tables[req_id][-len(pages) :]
-            for page in pages:
-                group.pool.release(page, self.allocator.clock)
+            group.undo(req_id, pages)
 
     def _restores(self, req_id: ReqId, hit_tokens: int) -> tuple[StateCopy, ...]:
         if hit_tokens == 0:
@@ -209,7 +226,9 @@ class CacheManager:
             for g in self.recurrent
         )
 
-    def _reserve_snapshots(self, req_id: ReqId, req: _Request, total: int) -> tuple[StateCopy, ...]:
+    def _reserve_snapshots(
+        self, req_id: ReqId, req: CachedRequest, total: int
+    ) -> tuple[StateCopy, ...]:
         policy = self.config.checkpoint
         if not (self.config.enable_prefix_caching and self.recurrent):
             return ()
@@ -246,23 +265,8 @@ class CacheManager:
         if not self.config.enable_prefix_caching:
             return
         extend_block_hashes(req.hashes, self._root, req.tokens, self.block_tokens)
-        policy = self.config.checkpoint
-
-        def keep(position: int) -> bool:
-            return policy.keep(position, req.prompt_len, self.block_tokens)
-
         for group in self.groups:
-            group.cache(req_id, req.hashes, num_computed)
-            if isinstance(group, RecurrentGroup):
-                group.apply_retention(
-                    req_id,
-                    keep,
-                    policy.release_superseded,
-                    policy.demote_superseded,
-                    policy.release_generated_hit,
-                )
-            elif isinstance(group, SlidingWindowGroup):
-                group.remove_skipped(req_id, num_computed)
+            group.cache(req_id, req)
 
     def free(self, req_id: ReqId) -> None:
         """Release a finished or preempted request. Its hashed pages stay in the cache."""
@@ -280,18 +284,44 @@ class CacheManager:
         return self._reqs[req_id].num_computed
 
     def block_table(self, req_id: ReqId, group_id: int) -> list[PageId]:
-        group = self.groups[group_id]
-        assert isinstance(group, AttentionGroup)
-        return group.tables.get(req_id, [])
+        return self.token_groups[group_id].tables.get(req_id, [])
 
     def live_page(self, req_id: ReqId, group_id: int) -> PageId:
-        group = self.groups[group_id]
-        assert isinstance(group, RecurrentGroup)
-        return group.live_page(req_id)
+        return self.state_groups[group_id].live_page(req_id)
 
     @property
     def num_requests(self) -> int:
         return len(self._reqs)
+
+    def usage(self) -> CacheUsage:
+        """Pages per group, snapshot and eviction counts, prefix-cache totals. Read-only."""
+        pools = self.allocator.pools
+        groups = tuple(
+            GroupUsage(
+                group_id=g.group_id,
+                kind=g.group.spec.label,
+                num_layers=g.group.num_layers,
+                page_bytes=g.pool.page_bytes,
+                pages_used=g.pool.num_used_pages,
+                pages_cached=g.pool.num_cached_pages,
+                pages_free=g.pool.num_free_pages,
+                chunks=g.pool.num_owned_chunks,
+                pages_evicted=self.allocator.num_evicted_pages[g.group_id],
+            )
+            for g in self.groups
+        )
+        first_state = self.recurrent[0] if self.recurrent else None  # all snapshot together
+        return CacheUsage(
+            groups=groups,
+            state_pages_used=sum(pools[g].num_used_pages for g in self.state_groups),
+            snapshots_taken=first_state.num_snapshots_taken if first_state else 0,
+            snapshots_dropped=first_state.num_snapshots_dropped if first_state else 0,
+            pages_evicted=sum(self.allocator.num_evicted_pages),
+            free_chunks=self.allocator.arena.num_free_chunks,
+            num_requests=len(self._reqs),
+            prefix_query_tokens=self.stats.query_tokens,
+            prefix_hit_tokens=self.stats.hit_tokens,
+        )
 
     def check_integrity(self) -> None:
         """Every pool, chunk and request record agrees; call after any operation in tests."""

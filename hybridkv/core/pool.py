@@ -13,13 +13,11 @@ empty ones go back to the arena for any group to take.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import NamedTuple, NewType
+from typing import NamedTuple
 
 from hybridkv.core.arena import ChunkArena
 from hybridkv.core.hashing import BlockHash
-
-PageId = NewType("PageId", int)
-NULL_PAGE = PageId(-1)  # "no data here": skipped sliding-window blocks; never read
+from hybridkv.core.ids import PageId
 
 
 class CachedPage(NamedTuple):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from hybridkv.core.groups.base import ReqId
+from hybridkv.core.ids import ReqId
 from hybridkv.engine.sampling_params import SamplingParams
 
 

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from hybridkv.core.layout import ArenaLayout
 from hybridkv.core.manager import CacheManager, StateCopy
-from hybridkv.core.pool import NULL_PAGE
+from hybridkv.core.ids import NULL_PAGE
 from hybridkv.core.spec import ModelSpec
 from hybridkv.engine.scheduler import ScheduledChunk
 from hybridkv.models.base import CausalLM

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from hybridkv.core.groups.base import ReqId
+from hybridkv.core.ids import ReqId
 from hybridkv.core.manager import Allocation, CacheManager
 from hybridkv.engine.request import Sequence, SequenceStatus
 

@@ -26,7 +26,7 @@ import heapq
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from hybridkv.core.groups.base import ReqId
+from hybridkv.core.ids import ReqId
 from hybridkv.core.manager import CacheManager
 from hybridkv.engine.request import Sequence
 from hybridkv.engine.sampling_params import SamplingParams

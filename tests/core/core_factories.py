@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.eviction import EvictionPolicy
-from hybridkv.core.groups.base import ReqId
+from hybridkv.core.ids import ReqId
 from hybridkv.core.layout import ArenaLayout, PageLayout, page_tensors
 from hybridkv.core.manager import Allocation, CacheConfig, CacheManager, Hit
 from hybridkv.core.spec import (

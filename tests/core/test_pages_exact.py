@@ -19,9 +19,9 @@ from core_factories import (
 )
 
 from hybridkv.core.allocator import PageAllocator
-from hybridkv.core.groups.base import ReqId
+from hybridkv.core.ids import ReqId
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.pool import NULL_PAGE, PageId
+from hybridkv.core.ids import NULL_PAGE, PageId
 
 ATTN, STATE = 0, 1
 

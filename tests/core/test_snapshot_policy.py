@@ -21,7 +21,7 @@ from core_factories import (
 )
 
 from hybridkv.core.checkpoint import CheckpointPolicy
-from hybridkv.core.groups.base import ReqId
+from hybridkv.core.ids import ReqId
 from hybridkv.core.manager import CacheManager
 
 A, B, C = ReqId("a"), ReqId("b"), ReqId("c")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridkv.core.groups.base import ReqId
+from hybridkv.core.ids import ReqId
 from hybridkv.core.manager import CacheConfig, CacheManager
 from hybridkv.core.spec import (
     AttentionSpec,

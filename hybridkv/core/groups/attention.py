@@ -4,16 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybridkv.core.groups.base import GroupManager, ReqId
+from hybridkv.core.allocator import PageAllocator
+from hybridkv.core.config import CacheConfig
+from hybridkv.core.groups.base import CachedRequest, GroupManager
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.pool import NULL_PAGE, PageId
+from hybridkv.core.ids import NULL_PAGE, PageId, ReqId
+from hybridkv.core.spec import GroupSpec
 
 
 class AttentionGroup(GroupManager):
     """Block tables of every request for one full-attention group."""
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, group: GroupSpec, allocator: PageAllocator, config: CacheConfig) -> None:
+        super().__init__(group, allocator, config)
         self.tables: dict[ReqId, list[PageId]] = {}
         self._num_cached_blocks: dict[ReqId, int] = {}
 
@@ -45,9 +48,15 @@ class AttentionGroup(GroupManager):
             table.extend(pages)
         return pages
 
-    def cache(self, req_id: ReqId, hashes: Sequence[BlockHash], num_computed: int) -> None:
-        table = self.tables[req_id]
-        num_full = min(num_computed // self.block_tokens, len(hashes), len(table))
+    def undo(self, req_id: ReqId, pages: Sequence[PageId]) -> None:
+        if pages:
+            del self.tables[req_id][-len(pages) :]
+        for page in pages:
+            self.pool.release(page, self.allocator.clock)
+
+    def cache(self, req_id: ReqId, req: CachedRequest) -> None:
+        table, hashes = self.tables[req_id], req.hashes
+        num_full = min(req.num_computed // self.block_tokens, len(hashes), len(table))
         for i in range(self._num_cached_blocks[req_id], num_full):
             if table[i] != NULL_PAGE:
                 self.pool.cache(table[i], hashes[i], saved_tokens=self.block_tokens)

@@ -1,27 +1,47 @@
-"""The contract every per-kind group manager keeps."""
+"""The contract every per-kind group manager keeps, and the request record they share."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import NewType
+from dataclasses import dataclass, field
 
 from hybridkv.core.allocator import PageAllocator
+from hybridkv.core.config import CacheConfig
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.pool import PageId, PagePool
+from hybridkv.core.ids import PageId, ReqId
+from hybridkv.core.pool import PagePool
 from hybridkv.core.spec import GroupSpec
 
-ReqId = NewType("ReqId", str)
+
+@dataclass(slots=True)
+class CachedRequest:
+    """What the cache knows of one request: its tokens, their block hashes, its progress.
+
+    Owned by the :class:`~hybridkv.core.manager.CacheManager`; group managers read it.
+    """
+
+    tokens: list[int]
+    prompt_len: int
+    hashes: list[BlockHash] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached_tokens: int = 0
+    started: bool = False
 
 
 class GroupManager(ABC):
-    """One layer group's view of every request: which pages it holds and what is cached."""
+    """One layer group's view of every request: which pages it holds and what is cached.
 
-    def __init__(self, group: GroupSpec, allocator: PageAllocator, block_tokens: int) -> None:
+    Every kind is built the same way, from the group's spec, the shared allocator and the
+    cache's config, so the façade can make them from its table alone.
+    """
+
+    def __init__(self, group: GroupSpec, allocator: PageAllocator, config: CacheConfig) -> None:
         self.group = group
         self.group_id = group.group_id
         self.allocator = allocator
-        self.block_tokens = block_tokens
+        self.config = config
+        self.block_tokens = config.block_tokens
 
     @property
     def pool(self) -> PagePool:
@@ -48,8 +68,20 @@ class GroupManager(ABC):
         """
 
     @abstractmethod
-    def cache(self, req_id: ReqId, hashes: Sequence[BlockHash], num_computed: int) -> None:
-        """Publish what the step computed (full blocks, snapshots) in the prefix cache."""
+    def undo(self, req_id: ReqId, pages: Sequence[PageId]) -> None:
+        """Give back ``pages``, the ones :meth:`allocate` just added for the request.
+
+        Mutates: the request's record and the pages' ref counts. Used when a later group
+        of the same allocation does not fit (all groups or none).
+        """
+
+    @abstractmethod
+    def cache(self, req_id: ReqId, req: CachedRequest) -> None:
+        """Publish what the step computed (full blocks, snapshots) in the prefix cache.
+
+        ``req.num_computed`` tokens are in the pages now. Each kind also does its own
+        follow-up here: snapshot retention, releasing blocks that left a window.
+        """
 
     @abstractmethod
     def free(self, req_id: ReqId) -> None:

@@ -28,9 +28,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from hybridkv.core.groups.base import GroupManager, ReqId
+from hybridkv.core.allocator import PageAllocator
+from hybridkv.core.config import CacheConfig
+from hybridkv.core.groups.base import CachedRequest, GroupManager
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.pool import PageId
+from hybridkv.core.ids import PageId, ReqId
+from hybridkv.core.spec import GroupSpec
 
 
 @dataclass(slots=True)
@@ -46,9 +49,10 @@ class _ReqState:
 class RecurrentGroup(GroupManager):
     """Live states and snapshots of one recurrent group. Caching off: live pages only."""
 
-    def __init__(self, *args: object, caching: bool = True, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.caching = caching
+    def __init__(self, group: GroupSpec, allocator: PageAllocator, config: CacheConfig) -> None:
+        super().__init__(group, allocator, config)
+        self.caching = config.enable_prefix_caching
+        self.policy = config.checkpoint
         self.reqs: dict[ReqId, _ReqState] = {}
         self.num_snapshots_taken = 0
         # snapshot page → its hash, for snapshots that cover sampled tokens (a page that
@@ -89,6 +93,13 @@ class RecurrentGroup(GroupManager):
         if pages is not None:
             state.live = pages[0]
         return pages
+
+    def undo(self, req_id: ReqId, pages: Sequence[PageId]) -> None:
+        state = self.reqs[req_id]
+        for page in pages:
+            if page == state.live:
+                state.live = None
+            self.pool.release(page, self.allocator.clock)
 
     def live_page(self, req_id: ReqId) -> PageId:
         live = self.reqs[req_id].live
@@ -155,7 +166,25 @@ class RecurrentGroup(GroupManager):
             return
         self.pool.release(page, self.allocator.clock)
 
-    def cache(self, req_id: ReqId, hashes: Sequence[BlockHash], num_computed: int) -> None:
+    def cache(self, req_id: ReqId, req: CachedRequest) -> None:
+        """Publish the snapshot the step took (if it is due), then apply retention."""
+        self._publish_pending(req_id, req.hashes, req.num_computed)
+        policy, block_tokens = self.policy, self.block_tokens
+
+        def keep(position: int) -> bool:
+            return policy.keep(position, req.prompt_len, block_tokens)
+
+        self.apply_retention(
+            req_id,
+            keep,
+            policy.release_superseded,
+            policy.demote_superseded,
+            policy.release_generated_hit,
+        )
+
+    def _publish_pending(
+        self, req_id: ReqId, hashes: Sequence[BlockHash], num_computed: int
+    ) -> None:
         state = self.reqs[req_id]
         if state.pending is None or state.pending[0] > num_computed:
             return

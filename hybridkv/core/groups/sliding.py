@@ -9,9 +9,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from hybridkv.core.groups.attention import AttentionGroup
-from hybridkv.core.groups.base import ReqId
+from hybridkv.core.groups.base import CachedRequest
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.pool import NULL_PAGE
+from hybridkv.core.ids import NULL_PAGE, ReqId
 from hybridkv.core.spec import SlidingWindowSpec
 
 
@@ -49,10 +49,11 @@ class SlidingWindowGroup(AttentionGroup):
             table.append(page)
         self._num_cached_blocks[req_id] = len(table)
 
-    def remove_skipped(self, req_id: ReqId, num_computed: int) -> None:
-        """Release the blocks no future query of the request can see."""
+    def cache(self, req_id: ReqId, req: CachedRequest) -> None:
+        """Publish full blocks, then release the blocks no future query can see."""
+        super().cache(req_id, req)
         table = self.tables.get(req_id, [])
-        for i in range(min(self._first_needed_block(num_computed), len(table))):
+        for i in range(min(self._first_needed_block(req.num_computed), len(table))):
             if table[i] != NULL_PAGE:
                 self.pool.release(table[i], self.allocator.clock)
                 table[i] = NULL_PAGE
