@@ -68,11 +68,21 @@ class ChunkArena:
         return [c for c, g in enumerate(self._owner) if g == group_id]
 
     def take(self, group_id: int) -> int | None:
-        """Give the lowest free chunk that holds at least one page of the group.
+        """Give a free chunk that holds at least one page of the group.
 
-        Returns None when none is free. The tail chunk is skipped for groups whose
-        page does not fit it (state pages, usually).
+        The tail chunk first, if this group's pages fit it: only some groups can use it
+        (attention, usually, not state pages), so taking it before a full chunk leaves the
+        full chunks to the groups that need them; the planner counts the tail's pages as
+        attention capacity on that basis. Otherwise the lowest free chunk. None when none
+        is free.
         """
+        tail = self.layout.num_full_chunks
+        if self.layout.tail_bytes and self._owner[tail] is None and self.usable(group_id, tail):
+            self._free.remove(tail)
+            heapq.heapify(self._free)
+            self._owner[tail] = group_id
+            self.num_transfers += 1
+            return tail
         skipped: list[int] = []
         chunk: int | None = None
         while self._free:

@@ -96,14 +96,17 @@ def page_tensors(group: GroupSpec, block_tokens: int) -> tuple[tuple[TensorSlot,
 class ArenaLayout:
     """How the arena is cut: chunk size, chunk count, and every group's page layout.
 
-    ``pages_per_chunk[g]`` pages of group ``g`` fit a full chunk; the tail chunk holds
-    ``tail_pages[g]`` (zero for groups whose page does not fit it).
+    ``pages_per_chunk[g]`` pages of group ``g`` fit a full chunk. The tail chunk (the
+    memory left after the full chunks) belongs to the attention groups only: it exists to
+    hold KV, the planner counts it as KV capacity, and a state page there would take it
+    from them while full chunks, which only states need, stay free.
     """
 
     chunk_bytes: int
     num_full_chunks: int
     tail_bytes: int
     pages: tuple[PageLayout, ...]  # indexed by group id
+    tail_group_ids: frozenset[int] = frozenset()  # groups whose pages may use the tail
 
     @property
     def num_chunks(self) -> int:
@@ -119,6 +122,8 @@ class ArenaLayout:
     def pages_in_chunk(self, group_id: int, chunk_index: int) -> int:
         if chunk_index < self.num_full_chunks:
             return self.pages_per_chunk(group_id)
+        if group_id not in self.tail_group_ids:
+            return 0
         return self.tail_bytes // self.pages[group_id].page_bytes
 
     def num_pages(self, group_id: int) -> int:
@@ -211,4 +216,10 @@ def build_layout(
         )
         for gid in sorted(used)
     )
-    return ArenaLayout(chunk_bytes=chunk, num_full_chunks=num_full, tail_bytes=tail, pages=pages)
+    return ArenaLayout(
+        chunk_bytes=chunk,
+        num_full_chunks=num_full,
+        tail_bytes=tail,
+        pages=pages,
+        tail_group_ids=frozenset(used) - recurrent,
+    )

@@ -17,6 +17,10 @@ from hybridkv.core.spec import ModelSpec, RecurrentStateSpec
 
 DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_MODEL_LEN = 4096  # when the config names none
+# State pages one running sequence may hold at once: its live state, the snapshot being
+# written this step, and the snapshot it resumed from (held until its restore has run).
+STATE_PAGES_PER_SEQ = 3
+UNBOUNDED_TOKENS = 1 << 62  # a model without attention: length costs no memory
 
 
 class PlanError(ValueError):
@@ -107,10 +111,13 @@ class Plan:
 # ----------------------------------------------------------------------------- arena math
 
 
-def _state_chunks(layout: ArenaLayout, spec: ModelSpec, num_seqs: int) -> int:
-    """Full chunks that ``num_seqs`` live states take (state pages never use the tail)."""
+def _state_chunks(layout: ArenaLayout, spec: ModelSpec, num_pages: int) -> int:
+    """Full chunks that ``num_pages`` state pages of every recurrent group take.
+
+    One live state per sequence is one page per group; state pages never use the tail.
+    """
     return sum(
-        -(-num_seqs // layout.pages_per_chunk(g.group_id)) for g in spec.groups if g.is_recurrent
+        -(-num_pages // layout.pages_per_chunk(g.group_id)) for g in spec.groups if g.is_recurrent
     )
 
 
@@ -133,6 +140,25 @@ def _max_kv_blocks(layout: ArenaLayout, spec: ModelSpec, free_full_chunks: int) 
         mid = (low + high + 1) // 2
         low, high = (mid, high) if chunks_for(mid) <= free_full_chunks else (low, mid - 1)
     return low
+
+
+def max_seq_len(
+    layout: ArenaLayout,
+    spec: ModelSpec,
+    block_tokens: int,
+    state_pages_per_seq: int = STATE_PAGES_PER_SEQ,
+) -> int:
+    """Tokens of the longest single sequence the arena holds (the engine's start-up check).
+
+    The same arithmetic as every other figure of the plan: ``state_pages_per_seq`` state
+    pages per recurrent group take whole chunks, attention blocks fill the rest and the tail.
+    """
+    free = layout.num_full_chunks - _state_chunks(layout, spec, state_pages_per_seq)
+    if free < 0:
+        return 0
+    if not spec.num_attention_layers:
+        return UNBOUNDED_TOKENS
+    return _max_kv_blocks(layout, spec, free) * block_tokens
 
 
 def _max_concurrency(layout: ArenaLayout, spec: ModelSpec, block_tokens: int, seq_len: int) -> int:

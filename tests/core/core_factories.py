@@ -126,6 +126,7 @@ def make_layout(
         num_full_chunks=num_chunks,
         tail_bytes=tail_bytes,
         pages=tuple(pages),
+        tail_group_ids=frozenset(g.group_id for g in model.groups if not g.is_recurrent),
     )
 
 

@@ -161,6 +161,18 @@ def test_tail_chunk_is_used_by_attention_only() -> None:
     alloc.check_integrity()
 
 
+def test_attention_takes_the_tail_before_a_full_chunk() -> None:
+    """Regression: attention filled the last full chunk before the tail, so a state that
+    came next found only the tail, which cannot hold it; the planner counts the tail as KV."""
+    layout = make_layout(hybrid_model(), num_chunks=2, tail_bytes=64)  # one attention page
+    alloc = PageAllocator(layout)
+    assert alloc.allocate(ATTN) == 6  # the tail's page: byte offset 384 // 64
+    assert alloc.allocate(ATTN) == 0  # then the lowest full chunk
+    assert alloc.allocate(STATE) == 2  # the other full chunk is still free for a state
+    assert alloc.arena.owner(2) == ATTN
+    alloc.check_integrity()
+
+
 def test_sliding_window_blocks_out_of_the_window_become_null() -> None:
     mgr = make_manager(sliding_hybrid_model(window_tokens=8), num_chunks=6)
     mgr.add_request(ReqId("a"), tokens(17))

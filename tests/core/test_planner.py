@@ -8,8 +8,17 @@ import sys
 import pytest
 from core_factories import make_attention_spec, make_model, make_state_spec
 
+from hybridkv.core.ids import ReqId
+from hybridkv.core.layout import build_layout
+from hybridkv.core.manager import CacheConfig, CacheManager
 from hybridkv.core.model_config import builtin_model_names, load_model_spec
-from hybridkv.core.planner import PlanError, plan
+from hybridkv.core.planner import (
+    STATE_PAGES_PER_SEQ,
+    UNBOUNDED_TOKENS,
+    PlanError,
+    max_seq_len,
+    plan,
+)
 
 GIB = 1 << 30
 BUDGETS = [(24, 32, 8192), (80, 256, 8192)]  # GiB, max_num_seqs, max_model_len
@@ -111,3 +120,44 @@ def test_core_does_not_import_torch() -> None:
         "hybridkv.core.model_config, hybridkv.plan_cli; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+SEQ_LEN_CASES = [
+    ("qwen3.5-0.8b", 1.0),
+    ("granite-4.0-h-1b", 0.5),
+    ("lfm2-350m", 0.3),
+    ("ai21-jamba-1.5-mini", 2.0),
+]
+
+
+@pytest.mark.parametrize(("name", "gib"), SEQ_LEN_CASES, ids=[n for n, _ in SEQ_LEN_CASES])
+def test_max_seq_len_is_what_the_allocator_serves(name: str, gib: float) -> None:
+    """The engine's start-up rule counts tail-chunk pages: the allocator must really serve them.
+
+    One sequence of ``max_seq_len`` tokens allocates while every recurrent group holds
+    ``STATE_PAGES_PER_SEQ`` state pages (its live state included).
+    """
+    spec = load_model_spec(name)
+    memory = int(gib * GIB)
+    mgr = CacheManager(spec, CacheConfig(memory_bytes=memory, enable_prefix_caching=False))
+    length = max_seq_len(mgr.layout, spec, mgr.block_tokens)
+    assert 0 < length < UNBOUNDED_TOKENS
+    assert mgr.layout.tail_bytes > 0  # the case the rule's tail term is for
+    held = []  # the live page comes with the request's allocation
+    for group in mgr.state_groups.values():
+        for _ in range(STATE_PAGES_PER_SEQ - 1):
+            page = mgr.allocator.allocate(group.group_id)
+            assert page is not None
+            held.append((group, page))
+    mgr.add_request(ReqId("long"), list(range(length)))
+    assert mgr.allocate(ReqId("long"), length) is not None
+    for group, page in held:
+        group.pool.release(page, mgr.allocator.clock)
+    mgr.free(ReqId("long"))
+    mgr.check_integrity()
+
+
+def test_max_seq_len_of_a_model_without_attention_is_unbounded() -> None:
+    spec = load_model_spec("mamba2-2.7b")
+    layout = build_layout(spec.groups, 16, 1 * GIB)
+    assert max_seq_len(layout, spec, 16) == UNBOUNDED_TOKENS
