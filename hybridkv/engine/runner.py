@@ -15,9 +15,9 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from hybridkv.core.ids import NULL_PAGE
 from hybridkv.core.layout import ArenaLayout
 from hybridkv.core.manager import CacheManager, StateCopy
-from hybridkv.core.ids import NULL_PAGE
 from hybridkv.core.spec import ModelSpec
 from hybridkv.engine.scheduler import ScheduledChunk
 from hybridkv.models.base import CausalLM

@@ -19,9 +19,8 @@ from core_factories import (
 )
 
 from hybridkv.core.allocator import PageAllocator
-from hybridkv.core.ids import ReqId
 from hybridkv.core.hashing import BlockHash
-from hybridkv.core.ids import NULL_PAGE, PageId
+from hybridkv.core.ids import NULL_PAGE, PageId, ReqId
 
 ATTN, STATE = 0, 1
 

@@ -29,9 +29,8 @@ from hypothesis.stateful import (
 
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.eviction import EvictionPolicy
-from hybridkv.core.ids import ReqId
+from hybridkv.core.ids import NULL_PAGE, ReqId
 from hybridkv.core.manager import Allocation, CacheManager
-from hybridkv.core.ids import NULL_PAGE
 from hybridkv.core.spec import ModelSpec
 
 PREFIXES = [list(range(100 * k, 100 * k + 16)) for k in range(3)]
