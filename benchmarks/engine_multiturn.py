@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from engine_common import build_tiny_checkpoint, machine_line
 
-from hybridkv.bench_workloads import (
+from hybridkv.bench.workloads import (
     BenchRequest,
     BenchResult,
     requests_from_trace,

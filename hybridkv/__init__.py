@@ -1,15 +1,19 @@
 """hybridkv: a serving engine for hybrid (attention + recurrent) LLMs.
 
-Packages, bottom to top (imports only point down this list):
+Packages, bottom to top (imports only point down this list; tests/test_layering.py checks):
 
 - ``core``: the pure-Python memory manager (specs, arena, page pools, prefix cache,
   coordinator, planner) shared by the engine, the planner and the simulator.
-- ``sim``: a trace-driven simulator that drives ``core`` at real model scale.
-- ``ops``: a plain-torch reference for every op, plus optional fast paths.
+- ``sched``: the pure-Python scheduler (sampling params, sequences, continuous batching).
+- ``sim``: a trace-driven simulator: the scheduler and the core with a GPU cost model.
+- ``ops``: a plain-torch reference for every op, plus the paged varlen drivers.
+- ``forward``: the engine/model contract (``ForwardBatch``, ``CacheViews``).
 - ``layers``: torch modules (attention over pages, Mamba, Gated DeltaNet, short conv).
 - ``models``: one file per architecture family, loading Hugging Face checkpoints.
-- ``engine``: scheduler, runner, sampler and the ``LLM`` API.
-- ``server``: the OpenAI-compatible HTTP server. ``cli`` parses arguments and calls down.
+- ``engine``: ``LLMEngine`` and ``LLM``: inputs, runner, sampler, stop rules.
+- ``server``: the OpenAI-compatible HTTP server.
+- ``bench``, ``demo``: engine workloads; the embedded demo model.
+- ``cli``: parses arguments and calls down.
 """
 
 import importlib

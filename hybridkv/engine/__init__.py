@@ -1,13 +1,12 @@
-"""The engine: scheduler (continuous batching over the core's CacheManager), model runner,
-sampler, stop rules, and the ``LLM`` / ``LLMEngine`` APIs.
+"""The engine: the model runner, sampler, stop rules, and the ``LLM`` / ``LLMEngine`` APIs
+over the scheduler of :mod:`hybridkv.sched`.
 
-Layering: ``scheduler`` and ``request`` are pure Python over ``hybridkv.core``; ``runner``
-turns a scheduled step into the model's ForwardBatch and does the state page copies;
-``llm_engine`` ties them with sampling and detokenization; ``llm`` is the offline API.
+``inputs`` turns prompts into validated token ids; ``runner`` turns a scheduled step into the
+model's ForwardBatch and does the state page copies; ``llm_engine`` ties scheduler, runner,
+sampler and detokenization into one step; ``llm`` is the offline API.
 
-The names below load on first use, so that the torch-free modules (``config``, which every
-CLI subcommand reads for its flags, and ``scheduler``, which the simulator runs) never
-import torch, and type checkers of those modules do not follow into the torch code.
+The names below load on first use, so that ``config`` (which every CLI subcommand reads for
+its flags) never imports torch, and type checkers of it do not follow into the torch code.
 """
 
 from __future__ import annotations
@@ -16,14 +15,14 @@ import importlib
 from typing import Any
 
 _HOMES = {
-    "EngineConfig": "config",
-    "LLM": "llm",
-    "LLMEngine": "llm_engine",
-    "CompletionOutput": "outputs",
-    "Logprob": "outputs",
-    "RequestMetrics": "outputs",
-    "RequestOutput": "outputs",
-    "SamplingParams": "sampling_params",
+    "EngineConfig": "hybridkv.engine.config",
+    "LLM": "hybridkv.engine.llm",
+    "LLMEngine": "hybridkv.engine.llm_engine",
+    "CompletionOutput": "hybridkv.engine.outputs",
+    "Logprob": "hybridkv.engine.outputs",
+    "RequestMetrics": "hybridkv.engine.outputs",
+    "RequestOutput": "hybridkv.engine.outputs",
+    "SamplingParams": "hybridkv.sched.sampling_params",
 }
 
 __all__ = [
@@ -40,5 +39,5 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _HOMES:
-        return getattr(importlib.import_module(f"hybridkv.engine.{_HOMES[name]}"), name)
+        return getattr(importlib.import_module(_HOMES[name]), name)
     raise AttributeError(f"module 'hybridkv.engine' has no attribute {name!r}")

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.eviction import EvictionPolicy
+from hybridkv.core.units import GIB
 
-GIB = 1 << 30
 DEFAULT_CACHE_MEMORY_GIB = 2.0  # vLLM's CPU backend reserves 4 GiB; our test models are tiny
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DTYPES = ("auto", "float32", "bfloat16", "float16")

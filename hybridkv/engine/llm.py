@@ -15,10 +15,11 @@ from typing import Any
 from rich.progress import Progress
 
 from hybridkv.engine.config import EngineConfig
-from hybridkv.engine.llm_engine import LLMEngine, PromptType
+from hybridkv.engine.inputs import PromptType
+from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.engine.outputs import RequestOutput
-from hybridkv.engine.sampling_params import SamplingParams
 from hybridkv.models.tokenizer import Tokenizer
+from hybridkv.sched.sampling_params import SamplingParams
 
 Message = Mapping[str, Any]
 
@@ -67,7 +68,7 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(batch)
         for prompt, p in zip(batch, params, strict=True):  # check all before queueing any
-            self.engine.validate_request(prompt, p)
+            self.engine.inputs.validate(prompt, p)
         ids = [f"{next(self._ids)}" for _ in batch]
         for request_id, prompt, p in zip(ids, batch, params, strict=True):
             self.engine.add_request(request_id, prompt, p)

@@ -19,32 +19,30 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Mapping
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from hybridkv.core.manager import CacheConfig, CacheManager
-from hybridkv.core.spec import ModelSpec
+from hybridkv.core.planner import max_seq_len
 from hybridkv.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from hybridkv.engine.inputs import InputProcessor, PromptType
 from hybridkv.engine.logits_processors import RowContext
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from hybridkv.engine.request import Sequence
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampler import SampledToken, SamplingFailure, sample
-from hybridkv.engine.sampling_params import SamplingParams
-from hybridkv.engine.scheduler import ScheduledChunk, Scheduler
 from hybridkv.engine.stopping import decode_output, update_and_check
 from hybridkv.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hybridkv.models.loader import load_model
 from hybridkv.models.tokenizer import Tokenizer
+from hybridkv.sched.request import Sequence
+from hybridkv.sched.sampling_params import SamplingParams
+from hybridkv.sched.scheduler import ScheduledChunk, Scheduler
 
 logger = logging.getLogger(__name__)
 
-PromptType = str | Seq[int] | Mapping[str, Any]
-STATE_PAGES_PER_SEQ = 3  # live page + a snapshot being written + a restored hit held
+__all__ = ["LLMEngine"]
 
 
 @dataclass(eq=False)
@@ -65,62 +63,17 @@ class _Request:
         return all(s.finished for s in self.seqs)
 
 
-def resolve_dtype(dtype: str, device: str, config_path: str) -> str:
-    """ "auto": float32 on CPU (bf16 matmuls are slow there), else the checkpoint's dtype."""
-    if dtype != "auto":
-        return dtype
-    if device == "cpu":
-        return "float32"
-    import json
-    from pathlib import Path
-
-    raw = json.loads((Path(config_path) / "config.json").read_text())
-    text = raw.get("text_config") or raw
-    named = (
-        text.get("torch_dtype") or text.get("dtype") or raw.get("torch_dtype") or raw.get("dtype")
-    )
-    return named if named in ("float32", "bfloat16", "float16") else "bfloat16"
-
-
-def max_fitting_len(manager: CacheManager, spec: ModelSpec, block_size: int) -> int:
-    """Tokens of the longest single sequence the arena holds (full chunks only)."""
-    layout = manager.layout
-    state_chunks = sum(
-        -(-STATE_PAGES_PER_SEQ // layout.pages_per_chunk(g.group_id))
-        for g in spec.groups
-        if g.is_recurrent
-    )
-    free = layout.num_full_chunks - state_chunks
-    token_groups = [g.group_id for g in spec.groups if not g.is_recurrent]
-    if free < 0:
-        return 0
-    if not token_groups:
-        return 1 << 62  # a pure recurrent model: length costs no memory
-
-    def chunks_for(num_blocks: int) -> int:
-        return sum(-(-num_blocks // layout.pages_per_chunk(g)) for g in token_groups)
-
-    lo, hi = 0, 1
-    while chunks_for(hi) <= free:
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:  # the largest block count whose chunks fit
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if chunks_for(mid) <= free else (lo, mid)
-    return lo * block_size
-
-
 class LLMEngine:
     """The serving engine of one model: scheduler, cache manager, runner and sampler."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        dtype = resolve_dtype(config.dtype, config.device, config.model)
         self.device = torch.device(config.device)
-        loaded = load_model(config.model, dtype=dtype)
+        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
         self.model_config = loaded.config
         self.spec = loaded.spec
         self.tokenizer: Tokenizer | None = loaded.tokenizer
-        self.dtype = dtype
+        self.dtype = loaded.dtype
         self.vocab_size = int(loaded.config.get("vocab_size") or 0)
         self.manager = CacheManager(
             loaded.spec,
@@ -143,6 +96,9 @@ class LLMEngine:
             self.structured = StructuredOutputManager(
                 self.tokenizer, self.vocab_size, sorted(self.eos_token_ids)
             )
+        self.inputs = InputProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.structured
+        )
         model = loaded.model.to(self.device)
         self.runner = ModelRunner(
             model, loaded.spec, self.manager.layout, self.device, poison_arena=config.poison_cache
@@ -168,7 +124,7 @@ class LLMEngine:
         return cls(EngineConfig(model=str(model), **options))
 
     def _choose_max_model_len(self, config: EngineConfig) -> int:
-        fits = max_fitting_len(self.manager, self.spec, config.block_size)
+        fits = max_seq_len(self.manager.layout, self.spec, config.block_size)
         if config.max_model_len is not None:
             if config.max_model_len > fits:
                 raise ValueError(
@@ -197,96 +153,6 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
-    def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(text, token ids) of a prompt given as text, token ids, or a vLLM-style dict.
-
-        Raises:
-            ValueError: the prompt is empty, malformed, or text without a tokenizer.
-        """
-        text: str | None = None
-        if isinstance(prompt, Mapping):
-            if "prompt_token_ids" in prompt:
-                ids = prompt["prompt_token_ids"]
-            elif isinstance(prompt.get("prompt"), str):
-                return self.encode_prompt(prompt["prompt"])
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json: pass prompt_token_ids")
-            text = prompt
-            ids = self.tokenizer.encode(prompt) if prompt else []
-        else:
-            ids = prompt
-        if not isinstance(ids, Seq) or isinstance(ids, str):
-            raise ValueError(
-                f"prompt token ids must be a list of integers, got {type(ids).__name__}"
-            )
-        ids = list(ids)
-        if not ids:
-            raise ValueError("the prompt is empty")
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(
-                    f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        return text, ids
-
-    def validate_request(
-        self, prompt: PromptType, params: SamplingParams
-    ) -> tuple[str | None, list[int]]:
-        """Every check ``add_request`` makes except the id: (text, token ids) of the prompt.
-
-        Batch APIs call it on all requests before queueing any, so a bad one queues nothing.
-
-        Raises:
-            ValueError: a bad prompt, one that leaves no room to generate within
-                max_model_len, or stop strings without a tokenizer.
-        """
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self.encode_prompt(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(ids)} tokens but max_model_len is {self.max_model_len}: "
-                f"no room left to generate"
-            )
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; use stop_token_ids")
-        for token in params.logit_bias or {}:
-            if token >= self.vocab_size:
-                raise ValueError(
-                    f"logit_bias token id {token} is outside the vocabulary [0, {self.vocab_size})"
-                )
-        if params.bad_words and self.tokenizer is None:
-            raise ValueError("bad_words need a tokenizer")
-        if params.structured_outputs is not None:
-            if self.structured is None:
-                raise ValueError("structured outputs need a tokenizer")
-            self.structured.compile(params.structured_outputs)  # a bad grammar raises here
-        return text, ids
-
-    def grammar_matchers(self, params: SamplingParams) -> list[GrammarMatcher | None]:
-        """One grammar walk per completion (compiled once per grammar, then cached)."""
-        if params.structured_outputs is None or self.structured is None:
-            return [None] * params.n
-        compiled = self.structured.compile(params.structured_outputs)
-        return [compiled.matcher() for _ in range(params.n)]
-
-    def bad_words_ids(self, params: SamplingParams) -> list[list[int]]:
-        """Token ids of each bad word, alone and after a space (vLLM's rule: the spaced form
-        counts only if it is a different first token of the same length)."""
-        if not params.bad_words or self.tokenizer is None:
-            return []
-        result: list[list[int]] = []
-        for word in params.bad_words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            result.append(plain)
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                result.append(spaced)
-        return [ids for ids in result if ids]
-
     def add_request(
         self,
         request_id: str,
@@ -302,9 +168,9 @@ class LLMEngine:
                 generate within max_model_len, or stop strings without a tokenizer.
         """
         params = params if params is not None else SamplingParams()
-        text, ids = self.validate_request(prompt, params)
-        bad_words = self.bad_words_ids(params)
-        matchers = self.grammar_matchers(params)
+        text, ids = self.inputs.validate(prompt, params)
+        bad_words = self.inputs.bad_words_ids(params)
+        matchers = self.inputs.grammar_matchers(params)
         now = time.monotonic() if arrival_time is None else arrival_time
         with self._lock:
             if request_id in self._pending_ids:
@@ -542,25 +408,9 @@ class LLMEngine:
         Reads state that ``step`` changes: call it from the stepping thread, or hold the
         same lock around both (the server does).
         """
-        mgr = self.manager
-        layout = mgr.layout
-        groups = []
-        for g in self.spec.groups:
-            pool = mgr.allocator.pools[g.group_id]
-            groups.append(
-                {
-                    "group_id": g.group_id,
-                    "kind": g.spec.label,
-                    "num_layers": len(g.layers),
-                    "page_bytes": layout.pages[g.group_id].page_bytes,
-                    "pages_used": pool.num_used_pages,
-                    "pages_cached": pool.num_cached_pages,
-                    "pages_free": pool.num_free_pages,
-                    "chunks": pool.num_owned_chunks,
-                }
-            )
-        queries, hits = mgr.stats.query_tokens, mgr.stats.hit_tokens
-        snapshots = mgr.recurrent[0].num_snapshots_taken if mgr.recurrent else 0
+        usage = self.manager.usage()
+        layout = self.manager.layout
+        queries, hits = usage.prefix_query_tokens, usage.prefix_hit_tokens
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + len(self._inbox),
@@ -572,19 +422,27 @@ class LLMEngine:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
-            "state_snapshots_taken": snapshots,
+            "state_snapshots_taken": usage.snapshots_taken,
             "state_page_copies": self.runner.num_page_copies,
-            "state_pages_used": sum(
-                mgr.allocator.pools[g.group_id].num_used_pages
-                for g in self.spec.groups
-                if g.is_recurrent
-            ),
-            "pages_evicted": sum(mgr.allocator.num_evicted_pages),
+            "state_pages_used": usage.state_pages_used,
+            "pages_evicted": usage.pages_evicted,
             "cache_memory_bytes": layout.total_bytes,
             "chunk_bytes": layout.chunk_bytes,
             "num_chunks": layout.num_chunks,
-            "free_chunks": mgr.allocator.arena.num_free_chunks,
+            "free_chunks": usage.free_chunks,
             "max_model_len": self.max_model_len,
             "block_size": self.config.block_size,
-            "groups": groups,
+            "groups": [
+                {
+                    "group_id": g.group_id,
+                    "kind": g.kind,
+                    "num_layers": g.num_layers,
+                    "page_bytes": g.page_bytes,
+                    "pages_used": g.pages_used,
+                    "pages_cached": g.pages_cached,
+                    "pages_free": g.pages_free,
+                    "chunks": g.chunks,
+                }
+                for g in usage.groups
+            ],
         }

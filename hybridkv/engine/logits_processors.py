@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.sched.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from hybridkv.engine.structured_output import GrammarMatcher

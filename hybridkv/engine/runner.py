@@ -19,10 +19,10 @@ from hybridkv.core.ids import NULL_PAGE
 from hybridkv.core.layout import ArenaLayout
 from hybridkv.core.manager import CacheManager, StateCopy
 from hybridkv.core.spec import ModelSpec
-from hybridkv.engine.scheduler import ScheduledChunk
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.models.base import CausalLM
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
+from hybridkv.sched.scheduler import ScheduledChunk
 
 
 class ModelRunner:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from hybridkv.engine.logits_processors import RowContext, process
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.sched.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)

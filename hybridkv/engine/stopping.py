@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from hybridkv.engine.request import Sequence
 from hybridkv.models.tokenizer import Tokenizer
+from hybridkv.sched.request import Sequence
 
 REPLACEMENT_CHAR = "\ufffd"
 

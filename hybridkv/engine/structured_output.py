@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from hybridkv.engine.sampling_params import StructuredOutputsParams
 from hybridkv.models.tokenizer import Tokenizer
+from hybridkv.sched.sampling_params import StructuredOutputsParams
 
 CACHE_ENTRIES = 256  # compiled grammars kept (LRU): a server sees the same schemas again
 # Compact but readable JSON (what models write): ", " and ": ", no other whitespace. With

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.layers.rope import RotaryEmbedding, apply_rope
 from hybridkv.ops.paged_attention import paged_attention, store_kv
-
-if TYPE_CHECKING:  # layers sit below models: annotations only, no runtime import upward
-    from hybridkv.models.batch import ForwardBatch
-    from hybridkv.models.cache import CacheViews
 
 
 @dataclass(frozen=True, kw_only=True)

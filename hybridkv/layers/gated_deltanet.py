@@ -12,19 +12,16 @@ subclass supplies :meth:`GatedDeltaNet.project`::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.layers.norm import GatedRMSNorm
 from hybridkv.ops.causal_conv1d import causal_conv1d_paged
 from hybridkv.ops.gated_delta_rule import gated_delta_rule_paged
-
-if TYPE_CHECKING:
-    from hybridkv.models.batch import ForwardBatch
-    from hybridkv.models.cache import CacheViews
 
 
 @dataclass(frozen=True, kw_only=True)

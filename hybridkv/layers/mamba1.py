@@ -16,19 +16,16 @@ Both states are read from and written to the request's live page in place; a req
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.layers.norm import RMSNorm
 from hybridkv.ops.causal_conv1d import causal_conv1d_paged
 from hybridkv.ops.mamba1 import SelectiveScanParams, selective_scan_paged
-
-if TYPE_CHECKING:
-    from hybridkv.models.batch import ForwardBatch
-    from hybridkv.models.cache import CacheViews
 
 
 @dataclass(frozen=True, kw_only=True)

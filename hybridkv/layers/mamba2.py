@@ -17,19 +17,17 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.core.spec import RecurrentStateSpec
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.ops.causal_conv1d import causal_conv1d_paged
 from hybridkv.ops.mamba2 import NO_DT_LIMIT, SSDParams, ssd_paged
-
-if TYPE_CHECKING:  # layers sit below models: annotations only, no runtime import upward
-    from hybridkv.models.batch import ForwardBatch
-    from hybridkv.models.cache import CacheViews
 
 
 @dataclass(frozen=True, kw_only=True)

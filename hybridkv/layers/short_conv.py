@@ -13,15 +13,11 @@ The state is the last ``L-1`` *gated inputs* ``B * x`` of the request; a request
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import Tensor, nn
 
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.ops.causal_conv1d import causal_conv1d_paged
-
-if TYPE_CHECKING:
-    from hybridkv.models.batch import ForwardBatch
-    from hybridkv.models.cache import CacheViews
 
 
 class ShortConv(nn.Module):

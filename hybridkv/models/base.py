@@ -14,8 +14,8 @@ import torch
 from torch import Tensor, nn
 
 from hybridkv.core.spec import ModelSpec
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 
 
 class DecoderStack(nn.Module):

@@ -1,5 +1,6 @@
-"""What the hybrid architectures build the same way: the attention config, the pre-norm
-decoder layer and the loop that puts a recurrent mixer or attention in each layer.
+"""What the hybrid architectures build the same way: the attention config, the Mamba2 mixer
+(Bamba, NemotronH, GraniteMoeHybrid, Zamba2), the pre-norm decoder layer and the loop that
+puts a recurrent mixer or attention in each layer.
 
 Each architecture keeps only what differs: its config keys, its norm class and its
 checkpoint names (class attributes of :class:`PreNormDecoderLayer`).
@@ -12,12 +13,13 @@ from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
-from hybridkv.core.spec import ModelSpec
+from hybridkv.core.spec import ModelSpec, RecurrentStateSpec
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.layers.attention import AttentionConfig, PagedAttention
+from hybridkv.layers.mamba2 import Mamba2Config, Mamba2Mixer, parse_dt_limit
 from hybridkv.layers.norm import RMSNorm
 from hybridkv.layers.rope import rope_settings
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
 
 
 def attention_config_from(
@@ -59,6 +61,31 @@ def hybrid_layers(
         decoder_layer(recurrent(i) if i in states else attention(i), i)
         for i in range(spec.num_layers)
     ]
+
+
+def state_specs(spec: ModelSpec) -> dict[int, RecurrentStateSpec]:
+    """Layer index -> its recurrent state spec, for the layers that hold one."""
+    return {
+        c.layer_index: c.spec
+        for c in spec.layers
+        if c.name == "state" and isinstance(c.spec, RecurrentStateSpec)
+    }
+
+
+def mamba2_mixer(
+    cfg: Mapping[str, Any], state: RecurrentStateSpec, layer_index: int, **options: Any
+) -> Mamba2Mixer:
+    """A Mamba2 mixer under the Bamba/Granite key names; ``options`` override them."""
+    settings: dict[str, Any] = {
+        "hidden_size": int(cfg["hidden_size"]),
+        "chunk_size": int(cfg.get("mamba_chunk_size", 256)),
+        "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+        "activation": str(cfg.get("hidden_act", "silu")),
+        "conv_bias": bool(cfg.get("mamba_conv_bias", True)),
+        "proj_bias": bool(cfg.get("mamba_proj_bias", False)),
+        "dt_limit": parse_dt_limit(cfg.get("time_step_limit")),
+    }
+    return Mamba2Mixer(Mamba2Config.from_spec(state, **{**settings, **options}), layer_index)
 
 
 class PreNormDecoderLayer(nn.Module):

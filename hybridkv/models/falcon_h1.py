@@ -24,13 +24,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.core.spec import ModelSpec
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from hybridkv.layers.mlp import GatedMLP
 from hybridkv.layers.norm import RMSNorm
 from hybridkv.models.base import CausalLM
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
 from hybridkv.models.common import attention_config_from
 
 

@@ -22,15 +22,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.core.spec import ModelSpec
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import activation
 from hybridkv.layers.norm import RMSNorm
-from hybridkv.models.bamba import mamba2_mixer, state_specs
 from hybridkv.models.base import CausalLM
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
-from hybridkv.models.common import attention_config_from, hybrid_layers
+from hybridkv.models.common import attention_config_from, hybrid_layers, mamba2_mixer, state_specs
 
 
 class FusedLinear(nn.Module):

@@ -18,8 +18,8 @@ from torch import Tensor
 
 from hybridkv.core.model_config import flatten_text_config, model_spec_from_config
 from hybridkv.core.spec import ModelSpec, canonical_dtype
+from hybridkv.forward.views import TORCH_DTYPES
 from hybridkv.models.base import CausalLM
-from hybridkv.models.cache import TORCH_DTYPES
 from hybridkv.models.registry import model_class
 from hybridkv.models.tokenizer import Tokenizer
 
@@ -32,6 +32,23 @@ class LoadedModel:
     spec: ModelSpec
     tokenizer: Tokenizer | None  # None when the directory has no tokenizer.json
     config: dict[str, Any]  # the text config (VLM wrappers flattened)
+    dtype: str  # the model dtype chosen ("auto" resolved)
+
+
+def resolve_dtype(dtype: str, device: str, raw_config: dict[str, Any]) -> str:
+    """ "auto": float32 on CPU (bf16 matmuls are slow there), else the checkpoint's dtype."""
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"
+    text = raw_config.get("text_config") or raw_config
+    named = (
+        text.get("torch_dtype")
+        or text.get("dtype")
+        or raw_config.get("torch_dtype")
+        or raw_config.get("dtype")
+    )
+    return named if named in MODEL_DTYPES else "bfloat16"
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -58,21 +75,23 @@ def iter_safetensors(files: list[Path]) -> Iterator[tuple[str, Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(model_dir: str | Path, dtype: str = "bfloat16") -> LoadedModel:
+def load_model(model_dir: str | Path, dtype: str = "bfloat16", device: str = "cpu") -> LoadedModel:
     """Build the model of ``model_dir`` in ``dtype`` and load its weights.
 
-    Cache dtypes: KV and conv state in ``dtype``; the SSM state by the core's family rule,
-    except that an fp32 model keeps everything in fp32.
+    ``dtype`` "auto" is resolved by :func:`resolve_dtype` for ``device`` (the model is
+    built on the CPU; the caller moves it). Cache dtypes: KV and conv state in ``dtype``;
+    the SSM state by the core's family rule, except that an fp32 model keeps everything
+    in fp32.
 
     Raises:
         ValueError: unsupported dtype or model type.
         KeyError / FileNotFoundError: the checkpoint is incomplete.
     """
     model_dir = Path(model_dir)
-    dtype = canonical_dtype(dtype)
+    raw = json.loads((model_dir / "config.json").read_text())
+    dtype = canonical_dtype(resolve_dtype(dtype, device, raw))
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"model dtype must be one of {MODEL_DTYPES}, not {dtype!r}")
-    raw = json.loads((model_dir / "config.json").read_text())
     spec = model_spec_from_config(
         raw,
         name=model_dir.name,
@@ -87,7 +106,7 @@ def load_model(model_dir: str | Path, dtype: str = "bfloat16") -> LoadedModel:
     model.load_weights(iter_safetensors(safetensors_files(model_dir)))
     model.eval()
     tokenizer = Tokenizer(model_dir) if (model_dir / "tokenizer.json").is_file() else None
-    return LoadedModel(model=model, spec=spec, tokenizer=tokenizer, config=cfg)
+    return LoadedModel(model=model, spec=spec, tokenizer=tokenizer, config=cfg, dtype=dtype)
 
 
-__all__ = ["LoadedModel", "load_model"]
+__all__ = ["LoadedModel", "load_model", "resolve_dtype"]

@@ -21,12 +21,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.core.spec import ModelSpec
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.layers.attention import PagedAttention
-from hybridkv.models.bamba import mamba2_mixer, state_specs
 from hybridkv.models.base import CausalLM
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
-from hybridkv.models.common import attention_config_from
+from hybridkv.models.common import attention_config_from, mamba2_mixer, state_specs
 
 _LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _WORDS = {

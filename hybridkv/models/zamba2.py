@@ -31,15 +31,14 @@ import torch
 from torch import Tensor, nn
 
 from hybridkv.core.spec import AttentionSpec, ModelSpec
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.layers.attention import AttentionConfig, PagedAttention
 from hybridkv.layers.mlp import activation
 from hybridkv.layers.norm import RMSNorm
 from hybridkv.layers.rope import RotaryEmbedding
-from hybridkv.models.bamba import mamba2_mixer, state_specs
 from hybridkv.models.base import CausalLM
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
-from hybridkv.models.common import attention_config_from
+from hybridkv.models.common import attention_config_from, mamba2_mixer, state_specs
 
 # model.layers.<i>.shared_transformer.<rest> on disk
 _SHARED = re.compile(r"model\.layers\.(\d+)\.shared_transformer\.(.+)")

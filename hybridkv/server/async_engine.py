@@ -23,9 +23,10 @@ import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
-from hybridkv.engine.llm_engine import LLMEngine, PromptType
+from hybridkv.engine.inputs import PromptType
+from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.engine.outputs import RequestOutput
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.sched.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

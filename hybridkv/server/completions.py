@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from starlette.requests import Request
 
 from hybridkv.engine.outputs import Logprob, RequestOutput
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.sched.sampling_params import SamplingParams
 from hybridkv.server.constraints import compile_structure, output_structure
 from hybridkv.server.errors import APIError
 from hybridkv.server.protocol import (

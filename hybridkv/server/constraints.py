@@ -18,7 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from hybridkv.engine.sampling_params import StructuredOutputsParams
+from hybridkv.sched.sampling_params import StructuredOutputsParams
 from hybridkv.server.errors import APIError, validation_message
 from hybridkv.server.protocol import (
     ChatCompletionRequest,

@@ -20,7 +20,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from hybridkv.engine.sampling_params import GREEDY_BELOW, SamplingParams
+from hybridkv.sched.sampling_params import GREEDY_BELOW, SamplingParams
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.errors import APIError, error_body
 from hybridkv.server.metrics import ServerMetrics
@@ -177,7 +177,7 @@ async def encode_in_thread(ctx: ServingContext, prompt: Any) -> list[int]:
     if isinstance(prompt, str):
         ctx.check_prompt_chars(len(prompt), "prompt")
     try:
-        _, ids = await asyncio.to_thread(ctx.engine.engine.encode_prompt, prompt)
+        _, ids = await asyncio.to_thread(ctx.engine.engine.inputs.encode, prompt)
     except ValueError as exc:
         raise APIError(str(exc), param="prompt") from exc
     return ids

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from hybridkv.engine.sampling_params import StructuredOutputsParams
+from hybridkv.sched.sampling_params import StructuredOutputsParams
 
 # JSON inside a constrained call: compact separators as models write them, no free
 # whitespace (so a weak model cannot pad a call forever).

@@ -7,18 +7,18 @@ docs/simulator.md for the designs it compares and what the cost model assumes.
 - ``traces``: the trace file format (load, validate, save).
 - ``workloads``: seeded generators (multi-turn chat, agentic sessions, system prompts).
 - ``gpus``, ``cost``: GPU peaks and the per-step cost model.
-- ``engine``: the simulated scheduler and its result record.
+- ``loop``: the serving loop (the engine's scheduler, no model) and its result record.
 - ``designs``: cache designs as configurations of the core.
 - ``compare``: run designs side by side.
 """
 
 from hybridkv.sim.compare import SimSetup, compare, make_setup, run_design
-from hybridkv.sim.engine import EngineConfig, SimResult, Simulator
+from hybridkv.sim.loop import SimConfig, SimResult, Simulator
 from hybridkv.sim.traces import Trace, TraceError, TraceRequest, load_trace, save_trace
 from hybridkv.sim.workloads import builtin_trace
 
 __all__ = [
-    "EngineConfig",
+    "SimConfig",
     "SimResult",
     "SimSetup",
     "Simulator",

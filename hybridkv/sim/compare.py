@@ -10,8 +10,8 @@ from hybridkv.core.model_config import load_config_dict, model_spec_from_config
 from hybridkv.core.spec import ModelSpec
 from hybridkv.sim.cost import CostModel, CostParams, model_cost
 from hybridkv.sim.designs import DESIGNS, cache_config
-from hybridkv.sim.engine import EngineConfig, SimResult, Simulator
 from hybridkv.sim.gpus import get_gpu
+from hybridkv.sim.loop import SimConfig, SimResult, Simulator
 from hybridkv.sim.traces import Trace
 
 SWEEP_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)  # budgets of a sweep, relative to the given one
@@ -19,17 +19,17 @@ SWEEP_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)  # budgets of a sweep, relative to th
 
 @dataclass(frozen=True, kw_only=True)
 class SimSetup:
-    """Everything but the design and the budget: model, GPU, engine knobs."""
+    """Everything but the design and the budget: model, GPU, scheduler knobs (SimConfig)."""
 
     model: ModelSpec
     cost: CostModel
-    engine: EngineConfig
+    loop: SimConfig
 
 
 def make_setup(
     model: str,
     gpu: str = "H100",
-    engine: EngineConfig | None = None,
+    loop: SimConfig | None = None,
     cost_params: CostParams | None = None,
 ) -> SimSetup:
     """Load a model by built-in name or config path and pick the GPU.
@@ -40,7 +40,7 @@ def make_setup(
     name, raw = load_config_dict(model)
     spec = model_spec_from_config(raw, name=name)
     cost = CostModel(model_cost(raw, spec), get_gpu(gpu), cost_params)
-    return SimSetup(model=spec, cost=cost, engine=engine or EngineConfig())
+    return SimSetup(model=spec, cost=cost, loop=loop or SimConfig())
 
 
 def run_design(
@@ -57,7 +57,7 @@ def run_design(
     """
     config = cache_config(design, setup.model, memory_bytes)
     manager = CacheManager(setup.model, config)
-    sim = Simulator(trace, manager, setup.cost, setup.engine, name=design)
+    sim = Simulator(trace, manager, setup.cost, setup.loop, name=design)
     return sim.run(on_request_done)
 
 

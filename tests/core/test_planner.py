@@ -117,7 +117,7 @@ def test_too_many_sequences_are_clamped_with_a_warning() -> None:
 def test_core_does_not_import_torch() -> None:
     code = (
         "import sys, hybridkv.core, hybridkv.core.manager, hybridkv.core.planner, "
-        "hybridkv.core.model_config, hybridkv.plan_cli; assert 'torch' not in sys.modules"
+        "hybridkv.core.model_config, hybridkv.cli.plan; assert 'torch' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

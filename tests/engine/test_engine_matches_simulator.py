@@ -3,7 +3,7 @@
 The engine runs a tiny model for real; its replies become the trace's output tokens; the
 simulator replays that trace on a CacheManager built from the same model spec and cache
 config. Both schedule through the same core, so every request must find exactly the same
-cached prefix in both (hand-counted: 0, 48, 32, as in tests/sim/test_engine.py).
+cached prefix in both (hand-counted: 0, 48, 32, as in tests/sim/test_loop.py).
 """
 
 from __future__ import annotations
@@ -14,8 +14,7 @@ from hybrid_checks import prompt
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.core.manager import CacheConfig, CacheManager
-from hybridkv.sim.engine import EngineConfig as SimConfig
-from hybridkv.sim.engine import Simulator
+from hybridkv.sim.loop import SimConfig, Simulator
 from hybridkv.sim.traces import Trace, TraceRequest
 from tests.sim.sim_factories import make_tiny_cost
 

@@ -19,7 +19,7 @@ from hybrid_checks import prompt
 from tiny import hf_logits
 
 from hybridkv.engine import LLM, SamplingParams
-from hybridkv.engine.sampling_params import StructuredOutputsParams
+from hybridkv.sched.sampling_params import StructuredOutputsParams
 
 SCHEMA = {
     "type": "object",

@@ -7,9 +7,9 @@ import torch
 
 from hybridkv.core.layout import build_layout
 from hybridkv.core.model_config import model_spec_from_config
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 from hybridkv.layers.mamba2 import Mamba2Config, Mamba2Mixer
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
 
 hf_bamba = pytest.importorskip("transformers.models.bamba.modeling_bamba")
 transformers = pytest.importorskip("transformers")

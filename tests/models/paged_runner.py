@@ -15,8 +15,8 @@ import torch
 
 from hybridkv.core.layout import ArenaLayout, build_layout
 from hybridkv.core.spec import ModelSpec
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
 
 
 class ScrambledAllocator:

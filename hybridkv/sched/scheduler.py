@@ -19,7 +19,8 @@ loop cannot deadlock. A sequence that does not fit even with nothing else runnin
 rejected (the engine checks at start-up that one max_model_len sequence fits, so this is
 a safety net, not a normal path).
 
-Pure Python (no torch): the engine adds the model, the sampler and the stop rules.
+Pure Python (no torch, no model): the engine adds the model, the sampler and the stop
+rules; the simulator (:mod:`hybridkv.sim.loop`) adds a cost model instead.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 from hybridkv.core.ids import ReqId
 from hybridkv.core.manager import Allocation, CacheManager
-from hybridkv.engine.request import Sequence, SequenceStatus
+from hybridkv.sched.request import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,11 +182,11 @@ class Scheduler:
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
         num_new = end - start
-        start = self.manager.num_computed_tokens(rid)  # the hit as re-checked by allocate
+        start = alloc.num_computed_tokens  # the hit as re-checked by allocate
         seq.num_computed = start
         if not seq.admitted_once:
             seq.admitted_once = True
-            seq.num_cached_tokens = self.manager.num_cached_tokens(rid)
+            seq.num_cached_tokens = alloc.num_cached_tokens
         return ScheduledChunk(seq, start, num_new, alloc, start + num_new == seq.num_tokens)
 
     # ------------------------------------------------------------------ after the step

@@ -1,6 +1,6 @@
 """``hybridkv bench``: replay a named workload on the engine and report what it measured.
 
-The workloads (:mod:`hybridkv.bench_workloads`) are the simulator's traces run for real:
+The workloads (:mod:`hybridkv.bench.workloads`) are the simulator's traces run for real:
 multi-turn chat, agent sessions, requests behind shared system prompts, repeated prompts.
 Follow-up turns carry the engine's own replies, so the prefix-cache hit rate is the one a
 real conversation gets. Output tokens/s, total tokens/s, time to first token (mean and p95),
@@ -15,9 +15,9 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from hybridkv.bench_workloads import WORKLOADS, BenchResult, build_workload, run_workload, warm_up
-from hybridkv.demo_cli import build_engine
-from hybridkv.engine_args import add_engine_args
+from hybridkv.bench.workloads import WORKLOADS, BenchResult, build_workload, run_workload, warm_up
+from hybridkv.cli.common import build_engine
+from hybridkv.cli.engine_args import add_engine_args
 
 
 def add_bench_parser(commands: Any) -> None:

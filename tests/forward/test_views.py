@@ -7,7 +7,7 @@ import torch
 
 from hybridkv.core.layout import build_layout
 from hybridkv.core.model_config import model_spec_from_config
-from hybridkv.models.cache import AttentionView, CacheViews, StateView
+from hybridkv.forward.views import AttentionView, CacheViews, StateView
 
 CONFIG = {
     "model_type": "qwen3_5_text",

@@ -98,13 +98,13 @@ def test_bad_trace_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_simulator_does_not_import_torch() -> None:
-    code = "import sys, hybridkv.sim, hybridkv.sim_cli; assert 'torch' not in sys.modules"
+    code = "import sys, hybridkv.sim, hybridkv.cli.simulate; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_simulator_is_mypy_strict_clean() -> None:
     pytest.importorskip("mypy")
     root = Path(__file__).resolve().parents[2]
-    cmd = [sys.executable, "-m", "mypy", "--strict", "hybridkv/sim", "hybridkv/sim_cli.py"]
+    cmd = [sys.executable, "-m", "mypy", "--strict", "hybridkv/sim", "hybridkv/cli/simulate.py"]
     result = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -15,16 +15,14 @@ import pytest
 import torch
 
 from hybridkv.cli import main
-from hybridkv.generate_cli import stop_prefix_chars
-from tests.models.tiny import make_hf_model, save_checkpoint
+from hybridkv.cli.generate import stop_prefix_chars
 
 SMALL_CACHE = ["--cache-memory-gib", "0.1"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("tiny-qwen3_5_text")
-    return str(save_checkpoint(make_hf_model("qwen3_5_text"), path))
+def model_dir(checkpoint: Path) -> str:
+    return str(checkpoint)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -188,7 +186,7 @@ def test_demo_with_model_override_shows_growing_hits(
 def test_no_model_uses_the_demo_model(
     model_dir: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    demo_model = pytest.importorskip("hybridkv.demo_model")
+    demo_model = pytest.importorskip("hybridkv.demo.build")
     monkeypatch.setattr(demo_model, "build_demo_model", lambda **_: Path(model_dir))
     code, out, err = run(capsys, "generate", *SMALL_CACHE, "--max-tokens", "4", "hi")
     assert code == 0, err

@@ -2,7 +2,7 @@
 
 Each step (nano-vllm's shape: schedule, run, postprocess)::
 
-    schedule     :class:`hybridkv.engine.scheduler.Scheduler`, the one the engine runs:
+    schedule     :class:`hybridkv.sched.scheduler.Scheduler`, the one the engine runs:
                  running requests first (a decode token or the next prefill chunk, cut by
                  the token budget and by ``CacheManager.next_split``; the newest running
                  request is preempted when ``allocate`` fails), then waiting ones, FCFS.
@@ -28,15 +28,17 @@ from dataclasses import dataclass, field
 
 from hybridkv.core.ids import ReqId
 from hybridkv.core.manager import CacheManager
-from hybridkv.engine.request import Sequence
-from hybridkv.engine.sampling_params import SamplingParams
-from hybridkv.engine.scheduler import ScheduledChunk, Scheduler
+from hybridkv.sched.request import Sequence
+from hybridkv.sched.sampling_params import SamplingParams
+from hybridkv.sched.scheduler import ScheduledChunk, Scheduler
 from hybridkv.sim.cost import CostModel
 from hybridkv.sim.traces import Trace, TraceRequest
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class EngineConfig:
+class SimConfig:
+    """Knobs of the simulated serving loop (the real engine's are EngineConfig's)."""
+
     max_num_batched_tokens: int = 8192  # token budget of one step
     max_num_seqs: int = 128  # running requests at most
     idle_step_s: float = 0.01  # length of a step with nothing to run
@@ -124,12 +126,12 @@ class Simulator:
         trace: Trace,
         manager: CacheManager,
         cost: CostModel,
-        config: EngineConfig | None = None,
+        config: SimConfig | None = None,
         name: str = "design",
     ) -> None:
         self.mgr = manager
         self.cost = cost
-        self.config = config or EngineConfig()
+        self.config = config or SimConfig()
         self.scheduler = Scheduler(
             manager,
             max_num_seqs=self.config.max_num_seqs,
@@ -245,9 +247,8 @@ class Simulator:
         r = self.result
         r.elapsed_s = self.now
         r.num_steps = self.step
-        if self.mgr.recurrent:
-            group = self.mgr.recurrent[0]  # snapshots are taken in all groups or none
-            r.snapshots_taken = group.num_snapshots_taken
-            r.snapshots_kept = group.num_snapshots_taken - group.num_snapshots_dropped
-        r.pages_evicted = sum(self.mgr.allocator.num_evicted_pages)
+        usage = self.mgr.usage()
+        r.snapshots_taken = usage.snapshots_taken
+        r.snapshots_kept = usage.snapshots_taken - usage.snapshots_dropped
+        r.pages_evicted = usage.pages_evicted
         return r

@@ -1,7 +1,8 @@
-"""Review findings on the engine: each test demonstrates one suspected bug.
+"""How the engine takes requests and names their outputs: a batch is validated whole before
+anything is queued, engine-made sequence ids never collide with user request ids, and output
+text is decoded after the prompt's context (SentencePiece's leading space survives).
 
-Each test here failed on the code it reviewed; the bugs are fixed and these are their
-regression tests.
+Each test is the regression test of a bug found in review.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def assert_idle(engine: LLMEngine) -> None:
 
 def test_generate_queues_nothing_when_a_later_prompt_is_too_long(llm: LLM) -> None:
     """``generate`` promises 'nothing is queued then' on a ValueError, but it validates only
-    ``encode_prompt`` up front: the max_model_len check (and 'stop strings need a tokenizer')
+    the prompt encoding up front: the max_model_len check (and 'stop strings need a tokenizer')
     runs in ``add_request``, after the earlier prompts of the batch were queued. They then
     run unseen (their outputs are dropped by the next ``_run``), holding pages meanwhile."""
     engine = llm.engine

@@ -12,7 +12,7 @@ import enum
 from dataclasses import dataclass, field
 
 from hybridkv.core.ids import ReqId
-from hybridkv.engine.sampling_params import SamplingParams
+from hybridkv.sched.sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):

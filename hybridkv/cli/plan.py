@@ -9,8 +9,7 @@ from typing import Any
 
 from hybridkv.core.model_config import builtin_model_names, load_model_spec
 from hybridkv.core.planner import Plan, plan
-
-GIB = 1 << 30
+from hybridkv.core.units import GIB, MIB
 
 
 def add_plan_parser(commands: Any) -> None:
@@ -61,7 +60,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _mib(n: int) -> str:
-    return f"{n / (1 << 20):,.2f} MiB"
+    return f"{n / MIB:,.2f} MiB"
 
 
 def _tokens(n: int | None) -> str:

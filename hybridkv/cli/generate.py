@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from hybridkv.demo_cli import build_engine, flag_error
-from hybridkv.engine_args import add_engine_args
+from hybridkv.cli.common import build_engine, flag_error, write
+from hybridkv.cli.engine_args import add_engine_args
 
 if TYPE_CHECKING:
     from hybridkv.engine import LLMEngine, RequestOutput, SamplingParams
-    from hybridkv.engine.llm_engine import PromptType
+    from hybridkv.engine.inputs import PromptType
 
 
 def add_generate_parser(commands: Any) -> None:
@@ -78,7 +78,7 @@ def run_generate(args: argparse.Namespace) -> int:
         return f"── prompt {index + 1}: {args.prompts[index]}\n" if several else ""
 
     start = time.perf_counter()
-    outs = stream_completions(engine, prompts, params, write_stdout, header)
+    outs = stream_completions(engine, prompts, params, write, header)
     print_summary(outs, time.perf_counter() - start)
     return 0
 
@@ -96,11 +96,6 @@ def chat_prompts(
         {"prompt_token_ids": render_chat(engine.tokenizer, [*head, {"role": "user", "content": q}])}
         for q in questions
     ]
-
-
-def write_stdout(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 def stop_prefix_chars(text: str, stops: Sequence[str]) -> int:
@@ -133,12 +128,10 @@ def stream_completions(
         ValueError: a bad prompt (nothing runs), or the engine gave up on one.
     """
     for i, prompt in enumerate(prompts):  # all or nothing: validate before queueing any
-        _, token_ids = engine.encode_prompt(prompt)
-        if len(token_ids) >= engine.max_model_len:
-            raise ValueError(
-                f"prompt {i + 1} has {len(token_ids)} tokens, and max_model_len is "
-                f"{engine.max_model_len}: no room left to generate"
-            )
+        try:
+            engine.inputs.validate(prompt, params)
+        except ValueError as exc:
+            raise ValueError(f"prompt {i + 1}: {exc}") from None
     ids = [f"generate-{time.monotonic_ns()}-{i}" for i in range(len(prompts))]
     for request_id, prompt in zip(ids, prompts, strict=True):
         engine.add_request(request_id, prompt, params)

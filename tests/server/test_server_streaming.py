@@ -1,7 +1,7 @@
-"""Review findings on the server: each test demonstrates one suspected bug.
+"""Streamed completions agree with the whole response: text offsets of streamed logprobs,
+and the server is idle (no request, no page held) after the streams end.
 
-Each test here failed on the code it reviewed; the bugs are fixed and these are their
-regression tests.
+Each test is the regression test of a bug found in review.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A step mixes prefill chunks and decodes of many requests in one flat token axis, the way
 vLLM's v1 runner does: request ``r`` owns rows ``query_start_loc[r]:query_start_loc[r+1]``.
 The batch carries page ids, not tensors: every layer reads and writes its cache through
-:class:`hybridkv.models.cache.CacheViews`, indexed by these ids.
+:class:`hybridkv.forward.views.CacheViews`, indexed by these ids.
 
 Per request (``num_computed`` = tokens already in the cache, ``n`` = tokens in this step)::
 

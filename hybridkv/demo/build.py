@@ -13,16 +13,12 @@ idle cores) and returns it at once on every later call::
         generation_config.json  eos ids: <|end|> (end of turn) and <|endoftext|>
         hybridkv_demo.json      the recipe and its losses; written last, marks the build complete
 
-How it is made: :mod:`hybridkv.demo_corpus` generates ~120 KB of simple stories and chats
+How it is made: :mod:`hybridkv.demo.corpus` generates ~120 KB of simple stories and chats
 from templates (seeded), ``tokenizers`` trains the BPE on it, and the model trains for 200
-AdamW steps of 8 x 256 tokens *through the serving model code itself*: the layers of
-:class:`hybridkv.models.qwen3_5.Qwen35ForCausalLM` run with autograd over a fresh dense
-cache arena per batch (every sequence a fresh request of one prefill chunk), so the weights
-are trained by exactly the function that serves them and no second implementation can
-drift from it. Its gradients equal transformers' (tests). Held-out loss falls from ~6.9
-(uniform guessing) to ~0.4: the model chats in the template's format, tells corpus-style
-stories, ends its turns with ``<|end|>``, and often picks the wrong fact; it knows nothing
-beyond the corpus.
+AdamW steps of 8 x 256 tokens through the serving model code itself
+(:mod:`hybridkv.demo.train`). Held-out loss falls from ~6.9 (uniform guessing) to ~0.4: the
+model chats in the template's format, tells corpus-style stories, ends its turns with
+``<|end|>``, and often picks the wrong fact; it knows nothing beyond the corpus.
 
 The same recipe gives the same weights on the same machine (seeded init, batches and BPE).
 A build goes to a temporary sibling directory renamed into place at the end, under a file
@@ -33,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import tempfile
@@ -44,20 +39,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from safetensors.torch import save_file
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
-from torch import Tensor, nn
+from torch import Tensor
 
-from hybridkv.core.layout import ArenaLayout, build_layout
 from hybridkv.core.model_config import flatten_text_config, model_spec_from_config
-from hybridkv.core.spec import ModelSpec
-from hybridkv.demo_corpus import Document, documents
+from hybridkv.demo.corpus import Document, documents
+from hybridkv.demo.train import evaluate, init_weights, train
 from hybridkv.models.base import CausalLM
-from hybridkv.models.batch import ForwardBatch
-from hybridkv.models.cache import CacheViews
 from hybridkv.models.registry import model_class
 
 DEMO_MODEL_NAME = "demo-qwen35-v1"  # bump the version when the recipe changes: it rebuilds
@@ -204,7 +195,18 @@ def _build_into(out_dir: Path, recipe: DemoRecipe, progress: bool) -> None:
     stream, doc_starts = _token_stream(tokenizer, train_docs)
     held_out = [_encode(tokenizer, d)[: recipe.seq_tokens] for d in held_out_docs]
     loss_before = evaluate(model, spec, held_out)
-    train_losses = train(model, spec, stream, doc_starts, recipe, progress)
+    train_losses = train(
+        model,
+        spec,
+        stream,
+        doc_starts,
+        seed=recipe.seed,
+        num_steps=recipe.num_steps,
+        batch_seqs=recipe.batch_seqs,
+        seq_tokens=recipe.seq_tokens,
+        learning_rate=recipe.learning_rate,
+        progress=progress,
+    )
     summary = {
         "name": recipe.name,
         "recipe": asdict(recipe),
@@ -285,25 +287,6 @@ def model_config(recipe: DemoRecipe, tokenizer: HFTokenizer) -> dict[str, Any]:
     }
 
 
-def init_weights(model: nn.Module, seed: int) -> None:
-    """transformers' Qwen3.5 init from a private generator (global RNG untouched).
-
-    Matrices N(0, 0.02); zero-centred norms 0; GDN ``A_log = log U(1, 16)``, ``dt_bias = 1``;
-    the depthwise conv keeps PyTorch's kaiming-uniform bound 1/sqrt(kernel).
-    """
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("conv1d.weight"):
-                bound = 1.0 / math.sqrt(param.shape[-1])
-                param.copy_(torch.rand(param.shape, generator=gen) * 2 * bound - bound)
-            elif name.endswith("A_log"):
-                param.copy_(torch.log(1 + 15 * torch.rand(param.shape, generator=gen)))
-            elif param.dim() >= 2:
-                param.copy_(torch.randn(param.shape, generator=gen) * 0.02)
-            # 1-d parameters keep their construction values: norms 0 / 1, dt_bias 1
-
-
 def _encode(tokenizer: HFTokenizer, doc: Document) -> list[int]:
     return tokenizer.encode(render(doc) + DOC_SEPARATOR).ids
 
@@ -316,142 +299,6 @@ def _token_stream(tokenizer: HFTokenizer, docs: Sequence[Document]) -> tuple[Ten
         starts.append(len(ids))
         ids += _encode(tokenizer, doc)
     return torch.tensor(ids), torch.tensor(starts)
-
-
-# ---------------------------------------------------------------------- training
-
-
-def dense_batch(spec: ModelSpec, seq_tokens: int, num_seqs: int) -> tuple[ForwardBatch, CacheViews]:
-    """A prefill batch of ``num_seqs`` fresh sequences of ``seq_tokens`` and a zeroed arena.
-
-    One page per attention layer holds a whole sequence (block = seq_tokens); every group
-    takes whole chunks of the layout, so no two groups' pages share bytes. All rows return
-    logits. ``input_ids`` is a placeholder: callers set it per batch.
-    """
-    probe = build_layout(spec.groups, seq_tokens, 1 << 40)
-    num_chunks = {
-        g.group_id: -(-num_seqs // probe.pages_per_chunk(g.group_id)) for g in spec.groups
-    }
-    layout = build_layout(spec.groups, seq_tokens, probe.chunk_bytes * sum(num_chunks.values()))
-    pages, first_chunk = {}, 0
-    for group in spec.groups:
-        gid = group.group_id
-        ids = [_page(layout, gid, first_chunk, r) for r in range(num_seqs)]
-        pages[gid] = torch.tensor(ids)
-        first_chunk += num_chunks[gid]
-    batch = ForwardBatch(
-        input_ids=torch.zeros(num_seqs * seq_tokens, dtype=torch.int64),
-        positions=torch.arange(seq_tokens).repeat(num_seqs),
-        query_start_loc=torch.arange(num_seqs + 1) * seq_tokens,
-        num_computed_tokens=torch.zeros(num_seqs, dtype=torch.int64),
-        block_tables={
-            g.group_id: pages[g.group_id][:, None] for g in spec.groups if not g.is_recurrent
-        },
-        state_pages={g.group_id: pages[g.group_id] for g in spec.groups if g.is_recurrent},
-        logits_indices=torch.arange(num_seqs * seq_tokens),
-    )
-    views = CacheViews(spec, layout, torch.zeros(layout.total_bytes, dtype=torch.uint8))
-    return batch, views
-
-
-def _page(layout: ArenaLayout, group_id: int, first_chunk: int, index: int) -> int:
-    per_chunk = layout.pages_per_chunk(group_id)
-    return layout.first_page(group_id, first_chunk + index // per_chunk) + index % per_chunk
-
-
-def train_logits(model: CausalLM, batch: ForwardBatch, views: CacheViews) -> Tensor:
-    """``CausalLM.forward`` without its ``no_grad``: [T, vocab] logits with autograd.
-
-    The layers write K/V and states into the arena in place; autograd records those writes
-    (the arena is rebuilt for every batch), so the gradients are those of the serving path.
-    """
-    hidden = model.embed(batch)  # [T, H]
-    for layer in model.model.layers:
-        hidden = layer(hidden, batch, views)
-    return model.compute_logits(model.model.norm(hidden[batch.logits_indices]))
-
-
-def train(
-    model: CausalLM,
-    spec: ModelSpec,
-    stream: Tensor,
-    doc_starts: Tensor,
-    recipe: DemoRecipe,
-    progress: bool,
-) -> list[float]:
-    """AdamW with warm-up and cosine decay on windows that start at document starts.
-
-    Returns:
-        the training loss of every step.
-    """
-    gen = torch.Generator().manual_seed(recipe.seed + 2)
-    length, rows = recipe.seq_tokens, recipe.batch_seqs
-    starts = doc_starts[doc_starts <= stream.numel() - length - 1]
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=recipe.learning_rate, betas=(0.9, 0.95), weight_decay=0.01
-    )
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(recipe.num_steps))
-    losses: list[float] = []
-    model.train()
-    with _progress_bar(progress, recipe.num_steps) as advance:
-        for _ in range(recipe.num_steps):
-            offsets = starts[torch.randint(len(starts), (rows,), generator=gen)]
-            window = stream[offsets[:, None] + torch.arange(length + 1)]  # [rows, length + 1]
-            batch, views = dense_batch(spec, length, rows)
-            batch.input_ids = window[:, :-1].flatten()
-            loss = F.cross_entropy(train_logits(model, batch, views), window[:, 1:].flatten())
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            losses.append(loss.item())
-            advance(losses[-1])
-    model.eval()
-    return losses
-
-
-def _lr_factor(num_steps: int) -> Any:
-    warmup = max(1, num_steps // 10)
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        done = (step - warmup) / max(1, num_steps - warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done))
-
-    return factor
-
-
-@contextlib.contextmanager
-def _progress_bar(enabled: bool, total: int) -> Iterator[Any]:
-    """Yields ``advance(loss)``; a rich bar on stderr when enabled, a no-op otherwise."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    columns = (
-        TextColumn("building the hybridkv demo model"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]:.3f}"),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=Console(stderr=True), disable=not enabled) as bar:
-        task = bar.add_task("train", total=total, loss=float("nan"))
-        yield lambda loss: bar.update(task, advance=1, loss=loss)
-
-
-@torch.no_grad()
-def evaluate(model: CausalLM, spec: ModelSpec, sequences: Sequence[Sequence[int]]) -> float:
-    """Mean next-token loss over ``sequences``, each a fresh request, through the model."""
-    total, count = 0.0, 0
-    for ids in sequences:
-        batch, views = dense_batch(spec, len(ids) - 1, 1)
-        batch.input_ids = torch.tensor(ids[:-1])
-        logits = model(batch, views)
-        total += float(F.cross_entropy(logits, torch.tensor(ids[1:]), reduction="sum"))
-        count += len(ids) - 1
-    return total / count
 
 
 # ---------------------------------------------------------------------- files

@@ -7,18 +7,14 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from hybridkv.bench_cli import add_bench_parser
-from hybridkv.demo_cli import add_demo_parser
-from hybridkv.generate_cli import add_generate_parser
-from hybridkv.plan_cli import add_plan_parser
-from hybridkv.serve_cli import add_serve_parser
-from hybridkv.sim_cli import add_simulate_parser
+from hybridkv.cli.bench import add_bench_parser
+from hybridkv.cli.demo import add_demo_parser
+from hybridkv.cli.generate import add_generate_parser
+from hybridkv.cli.plan import add_plan_parser
+from hybridkv.cli.serve import add_serve_parser
+from hybridkv.cli.simulate import add_simulate_parser
 
 Command = Callable[[argparse.Namespace], int]
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     run: Command = args.run
     try:
         return run(args)
-    except (CliError, ValueError) as exc:
+    except ValueError as exc:  # a user error: one line, exit status 2
         print(f"hybridkv {args.command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

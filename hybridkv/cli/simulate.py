@@ -8,14 +8,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hybridkv.core.units import GIB, MIB
 from hybridkv.sim.compare import SWEEP_FACTORS, SimSetup, check_designs, make_setup, run_design
 from hybridkv.sim.designs import DESIGNS
-from hybridkv.sim.engine import EngineConfig, SimResult
 from hybridkv.sim.gpus import GPUS
+from hybridkv.sim.loop import SimConfig, SimResult
 from hybridkv.sim.traces import Trace, TraceError, load_trace, save_trace
 from hybridkv.sim.workloads import TRACE_KINDS, builtin_trace
-
-GIB = 1 << 30
 
 
 def add_simulate_parser(commands: Any) -> None:
@@ -85,10 +84,10 @@ def run_simulate(args: argparse.Namespace) -> int:
     designs = _designs(args.designs)
     if args.max_num_seqs < 1 or args.max_num_batched_tokens < 1:
         raise ValueError("--max-num-seqs and --max-num-batched-tokens must be >= 1")
-    engine = EngineConfig(
+    loop = SimConfig(
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
     )
-    setup = make_setup(args.model, args.gpu, engine)
+    setup = make_setup(args.model, args.gpu, loop)
     trace = _trace(args)
     if args.save_trace:
         save_trace(trace, args.save_trace)
@@ -143,7 +142,7 @@ def print_results(setup: SimSetup, trace: Trace, memory: int, results: list[SimR
 
     console = Console()
     model, cost = setup.model, setup.cost
-    state_mib = model.state_bytes_per_seq / (1 << 20)
+    state_mib = model.state_bytes_per_seq / MIB
     console.print(
         f"[bold]{model.name}[/] on {cost.gpu.name}: {memory / GIB:g} GiB cache; "
         f"KV {model.kv_bytes_per_token:,} B/token, state {state_mib:,.1f} MiB/sequence; "

@@ -2,7 +2,8 @@
 
 With no ``--model`` it serves the embedded demo model (built once into the cache directory
 on first use), so ``hybridkv serve`` followed by the openai client works with zero set-up.
-Engine flags are :mod:`hybridkv.engine_args`'s, shared with ``generate`` and ``bench``.
+Engine flags are :mod:`hybridkv.cli.engine_args`'s, shared with ``generate`` and ``bench``;
+the engine is built by :func:`hybridkv.cli.common.build_engine` for all of them.
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import argparse
 import os
 import signal
 import sys
-from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from hybridkv.engine_args import add_engine_args, engine_config_from_args
+from hybridkv.cli.common import build_engine
+from hybridkv.cli.engine_args import add_engine_args
+from hybridkv.core.units import MIB
 
 DEMO_MODEL_NAME = "hybridkv-demo"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -57,49 +59,25 @@ def add_serve_parser(commands: Any) -> None:
     p.set_defaults(run=run_serve)
 
 
-def resolve_model(model: str | None) -> tuple[str, str]:
-    """(checkpoint directory, default served name); no ``model`` means the demo model.
-
-    Raises:
-        ValueError: ``model`` is not a checkpoint directory, or the demo model is unavailable.
-    """
-    if model is not None:
-        path = Path(model)
-        if not (path / "config.json").is_file():
-            raise ValueError(f"--model {model}: not a checkpoint directory (no config.json)")
-        return model, model
-    try:  # lazily: building it needs training code the server never loads otherwise
-        from hybridkv.demo_model import build_demo_model
-    except ImportError as exc:
-        raise ValueError(f"no --model given and the demo model is unavailable ({exc})") from None
-    print("no --model: serving the demo model (built on first use, then cached)", file=sys.stderr)
-    return str(build_demo_model(progress=sys.stderr.isatty())), DEMO_MODEL_NAME
-
-
 def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    if not 0 < args.max_body_mib < 1 << 20:
+    if not 0 < args.max_body_mib < MIB:
         raise ValueError(f"--max-body-mib must be positive, got {args.max_body_mib}")
-    model_dir, default_name = resolve_model(args.model)
-    config = engine_config_from_args(args, model=model_dir)
-    import uvicorn
-
-    from hybridkv.engine import LLMEngine
-    from hybridkv.server import create_app
     from hybridkv.server.tool_parsers import get_tool_parser
 
     parser = get_tool_parser(args.tool_call_parser)  # an unknown name: a one-line error
-    try:
-        engine = LLMEngine(config)
-    except (OSError, KeyError) as exc:  # unreadable or unsupported checkpoint files
-        raise ValueError(f"cannot load {model_dir}: {exc}") from None
-    name = args.served_model_name or default_name
+    engine = build_engine(args)
+    import uvicorn
+
+    from hybridkv.server import create_app
+
+    name = args.served_model_name or args.model or DEMO_MODEL_NAME
     app = create_app(
         engine,
         name,
         api_key=args.api_key,
-        max_body_bytes=int(args.max_body_mib * (1 << 20)),
+        max_body_bytes=int(args.max_body_mib * MIB),
         tool_parser=parser,
     )
     print(

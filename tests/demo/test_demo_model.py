@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hybridkv.demo_model as demo
-from hybridkv.demo_corpus import documents
-from hybridkv.demo_model import (
+import hybridkv.demo.build as demo
+import hybridkv.demo.train as demo_train
+from hybridkv.demo.build import (
     CHAT_TEMPLATE,
     COMPLETE_MARKER,
     DEMO_MODEL_NAME,
@@ -24,6 +24,7 @@ from hybridkv.demo_model import (
     demo_model_dir,
     is_complete,
 )
+from hybridkv.demo.corpus import documents
 from hybridkv.models.loader import LoadedModel, load_model
 from tests.models.paged_runner import PagedRunner
 
@@ -194,9 +195,9 @@ def test_training_gradients_equal_transformers(untrained_dir: Path) -> None:
     ids = torch.randint(
         0, ours.config["vocab_size"], (2, 97), generator=torch.Generator().manual_seed(0)
     )
-    batch, views = demo.dense_batch(ours.spec, 96, 2)
+    batch, views = demo_train.dense_batch(ours.spec, 96, 2)
     batch.input_ids = ids[:, :-1].flatten()
-    loss = F.cross_entropy(demo.train_logits(ours.model, batch, views), ids[:, 1:].flatten())
+    loss = F.cross_entropy(demo_train.train_logits(ours.model, batch, views), ids[:, 1:].flatten())
     loss.backward()
     hf_logits = hf(input_ids=ids[:, :-1], use_cache=False).logits
     hf_loss = F.cross_entropy(hf_logits.flatten(0, 1), ids[:, 1:].flatten())

@@ -12,7 +12,7 @@ import pytest
 from hybridkv.core.manager import CacheConfig, CacheManager
 from hybridkv.sim.compare import make_setup, run_design
 from hybridkv.sim.designs import DESIGNS, unified_block_tokens
-from hybridkv.sim.engine import EngineConfig, Simulator
+from hybridkv.sim.loop import SimConfig, Simulator
 from hybridkv.sim.traces import Trace
 from hybridkv.sim.workloads import ChatWorkload, chat_trace
 from tests.sim.sim_factories import make_request, make_tiny_cost, make_tiny_model
@@ -39,7 +39,7 @@ def make_hand_trace() -> Trace:
 def test_hand_counted_hits() -> None:
     model = make_tiny_model()
     manager = CacheManager(model, CacheConfig(memory_bytes=1 << 20, block_tokens=16))
-    config = EngineConfig(check_integrity=True)
+    config = SimConfig(check_integrity=True)
     result = Simulator(make_hand_trace(), manager, make_tiny_cost(model), config).run()
     assert result.prompt_tokens == 40 + 60 + 40
     assert result.hit_tokens == 48 + 32
@@ -56,7 +56,7 @@ def test_tight_memory_preempts_and_still_finishes() -> None:
     trace = Trace(
         requests=tuple(make_request(f"r{i}", [i] * 24, 40, first_output=100 * i) for i in range(4))
     )
-    config = EngineConfig(check_integrity=True)
+    config = SimConfig(check_integrity=True)
     result = Simulator(trace, manager, make_tiny_cost(model), config).run()
     assert result.num_rejected == 0 and result.output_tokens == 4 * 40
     assert result.preemptions > 0  # 6 chunks: two requests' states and KV at most

@@ -1,0 +1,157 @@
+"""The scheduler on its own: a small CacheManager, no model, every decision checked.
+
+The manager is the core tests' tiny hybrid model (tests/core/core_factories.py): block 4,
+one attention group (3 pages of 4 tokens per chunk) and one state group (2 live states per
+chunk). Each test drives ``schedule`` / ``advance`` by hand the way the engine's step does.
+"""
+
+from __future__ import annotations
+
+from hybridkv.core.ids import ReqId
+from hybridkv.core.manager import CacheManager
+from hybridkv.sched.request import Sequence, SequenceStatus
+from hybridkv.sched.sampling_params import SamplingParams
+from hybridkv.sched.scheduler import Scheduler, SchedulerOutput
+from tests.core.core_factories import make_manager, tokens
+
+SAMPLED = 900  # the token every test "samples"
+
+
+def seq(name: str, prompt_len: int, *, request_id: str | None = None, index: int = 0) -> Sequence:
+    return Sequence(
+        seq_id=ReqId(name),
+        request_id=request_id or name,
+        index=index,
+        prompt_token_ids=tokens(prompt_len, start=100 * (ord(name[0]) - ord("a"))),
+        params=SamplingParams(max_tokens=64),
+    )
+
+
+def scheduler(
+    mgr: CacheManager, *, max_num_seqs: int = 8, max_num_batched_tokens: int = 64
+) -> Scheduler:
+    return Scheduler(mgr, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+
+
+def run_step(sched: Scheduler) -> SchedulerOutput:
+    """Schedule one step and record it as the engine does (every sampling chunk samples)."""
+    out = sched.schedule()
+    for chunk in out.chunks:
+        sched.advance(chunk, SAMPLED if chunk.samples else None)
+    return out
+
+
+def work(out: SchedulerOutput) -> list[tuple[str, int, int]]:
+    return [(c.seq.seq_id, c.start, c.num_tokens) for c in out.chunks]
+
+
+def test_waiting_sequences_are_admitted_first_come_first_served() -> None:
+    mgr = make_manager(num_chunks=8, caching=False)
+    sched = scheduler(mgr, max_num_seqs=2)
+    for s in (seq("a", 5), seq("b", 6), seq("c", 1)):
+        sched.add(s)
+    out = run_step(sched)
+    assert work(out) == [("a", 0, 5), ("b", 0, 6)]  # c is short, but came last
+    assert [s.seq_id for s in sched.waiting] == ["c"]
+    mgr.check_integrity()
+
+
+def test_admission_stops_at_the_first_sequence_that_does_not_fit() -> None:
+    """FCFS: a short sequence behind a long one waits, so the long one is never starved."""
+    mgr = make_manager(num_chunks=3, caching=False)  # 1 state chunk + 6 attention pages
+    sched = scheduler(mgr)
+    sched.add(seq("a", 16))  # 4 pages
+    assert work(run_step(sched)) == [("a", 0, 16)]
+    sched.add(seq("b", 12))  # 3 pages: does not fit beside a's 5
+    sched.add(seq("c", 2))  # 1 page: would fit
+    assert work(run_step(sched)) == [("a", 16, 1)]  # a's 5th page leaves b no room
+    assert [s.seq_id for s in sched.waiting] == ["b", "c"]
+    mgr.check_integrity()
+
+
+def test_the_token_budget_splits_a_prefill_and_running_sequences_go_first() -> None:
+    mgr = make_manager(num_chunks=8, caching=False)
+    sched = scheduler(mgr, max_num_batched_tokens=10)
+    sched.add(seq("a", 8))
+    sched.add(seq("b", 8))
+    assert work(run_step(sched)) == [("a", 0, 8), ("b", 0, 2)]  # b's prefill is cut
+    assert work(run_step(sched)) == [("a", 8, 1), ("b", 2, 6)]  # decode first, then the rest
+    assert sched.running[1].num_outputs == 1  # b sampled once its prompt was done
+    mgr.check_integrity()
+
+
+def test_the_newest_running_sequence_is_preempted_when_memory_runs_out() -> None:
+    mgr = make_manager(num_chunks=3, caching=False)  # 1 state chunk + 6 attention pages
+    sched = scheduler(mgr)
+    sched.add(seq("a", 11))
+    sched.add(seq("b", 11))
+    run_step(sched)  # 3 + 3 pages: every attention page is taken
+    assert work(run_step(sched)) == [("a", 11, 1), ("b", 11, 1)]  # 12 tokens still fit
+    out = run_step(sched)  # a needs a 4th page: b, the newest, goes
+    assert [s.seq_id for s in out.preempted] == ["b"]
+    assert work(out) == [("a", 12, 1)]
+    b = sched.waiting[0]
+    assert (b.seq_id, b.status, b.num_computed) == ("b", SequenceStatus.WAITING, 0)
+    assert b.output_token_ids == [SAMPLED, SAMPLED]  # recomputed later, outputs kept
+    assert sched.num_preemptions == 1
+    mgr.check_integrity()
+
+
+def test_a_sequence_preempts_itself_when_it_is_the_newest() -> None:
+    mgr = make_manager(num_chunks=2, caching=False)  # 1 state chunk + 3 attention pages
+    sched = scheduler(mgr)
+    sched.add(seq("a", 12))
+    run_step(sched)
+    out = run_step(sched)  # a alone needs a 4th page: nothing else to take it from
+    assert [s.seq_id for s in out.preempted] == ["a"]
+    assert out.chunks == []
+    mgr.check_integrity()
+
+
+def test_a_sequence_that_cannot_fit_even_alone_is_rejected() -> None:
+    mgr = make_manager(num_chunks=2, caching=False)  # 3 attention pages: 12 tokens
+    sched = scheduler(mgr)
+    big = seq("a", 20)
+    sched.add(big)
+    sched.add(seq("b", 3))
+    out = run_step(sched)
+    assert out.rejected == [big]
+    assert (big.status, big.finish_reason) == (SequenceStatus.FINISHED, "abort")
+    assert work(out) == []  # b waits for the next step: admission stopped at a
+    assert work(run_step(sched)) == [("b", 0, 3)]
+    mgr.check_integrity()
+
+
+def test_a_sibling_waits_for_the_first_completion_then_resumes_from_its_prompt() -> None:
+    """n > 1: the second completion is admitted once the first has computed the prompt, and
+    its prompt (but the last token) is then a prefix hit, so the prompt is computed once."""
+    mgr = make_manager(num_chunks=8)
+    sched = scheduler(mgr, max_num_batched_tokens=5)
+    first, second = (seq(f"{i}", 10, request_id="r", index=i) for i in range(2))
+    first.prompt_token_ids = second.prompt_token_ids = tokens(10)
+    sched.add(first)
+    sched.add(second)
+    assert work(run_step(sched)) == [("0", 0, 5)]  # cut at the budget; the sibling waits
+    while first.num_computed < 10:  # the first finishes its prompt; the sibling still waits
+        assert [s.seq_id for s in sched.waiting] == ["1"]
+        run_step(sched)
+    out = run_step(sched)
+    admitted = [c for c in out.chunks if c.seq is second]
+    assert [(c.start, c.num_tokens) for c in admitted] == [(8, 2)]  # resumed at block 8
+    assert second.num_cached_tokens == 8
+    mgr.check_integrity()
+
+
+def test_finish_frees_the_pages_of_running_and_forgets_waiting_sequences() -> None:
+    mgr = make_manager(num_chunks=8, caching=False)
+    sched = scheduler(mgr, max_num_seqs=1)
+    a, b = seq("a", 5), seq("b", 5)
+    sched.add(a)
+    sched.add(b)
+    run_step(sched)
+    sched.finish(a, "stop")
+    sched.finish(b, "abort")
+    assert sched.num_unfinished == 0
+    assert mgr.num_requests == 0
+    assert (a.finish_reason, b.finish_reason) == ("stop", "abort")
+    mgr.check_integrity()
