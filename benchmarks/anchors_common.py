@@ -96,7 +96,11 @@ def cache_dir(flag: str | None) -> Path:
 
 
 def git_head() -> str:
-    """Short commit of the checkout under test, with '+dirty' when it has local changes."""
+    """Short commit of the checkout under test, '+dirty' when the package has local changes.
+
+    Only ``hybridkv/`` and ``pyproject.toml`` count: edits to benchmarks or docs during a
+    run do not change the code measured.
+    """
     try:
         head = subprocess.run(
             ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
@@ -105,7 +109,7 @@ def git_head() -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", "hybridkv", "pyproject.toml"],
             capture_output=True,
             text=True,
             check=True,
