@@ -114,7 +114,8 @@ class Harness:
             stdout = run_logged(cmd, log, env=env, timeout_s=self.timeout_s)
             run = json_line(stdout, '{"bench":')
         except RuntimeError as e:
-            return {"bench": workload, "engine": engine, "repeat": repeat, "error": str(e)}
+            error = f"{e}: {last_line(log)}"
+            return {"bench": workload, "engine": engine, "repeat": repeat, "error": error}
         run["repeat"] = repeat
         if engine == "hybridkv":
             run["hybridkv_commit"] = git_head()  # bench_engines cannot read a worktree's HEAD
@@ -136,7 +137,16 @@ def run_interleaved(
                 with open(runs_file, "a") as f:
                     f.write(json.dumps(run) + "\n")
                 print(f"  {progress_line(run)}", flush=True)
+                if "error" in run and r == 0:
+                    print("  stopping: a run of the first repeat failed (a set-up problem)")
+                    return runs
     return runs
+
+
+def last_line(log: Path) -> str:
+    """The last non-empty line of a failed run's log: usually the exception."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    return lines[-1] if lines else "(empty log)"
 
 
 def progress_line(run: Run) -> str:
@@ -272,7 +282,7 @@ def print_report(runs: list[Run], out: Path | None) -> None:
     commits = sorted({r.get("hybridkv_commit", "?") for r in ok_runs(runs, "hybridkv", None)})
     versions = sorted({r["version"] for r in ok_runs(runs, "vllm", None)})
     print(
-        f"\n{repeats} interleaved repeat(s); hybridkv {', '.join(commits)}; "
+        f"\n{repeats} interleaved repeat(s); hybridkv {', '.join(commits) or '-'}; "
         f"vLLM {', '.join(versions) or 'absent'}; "
         f"1-min load average before the workloads: {median_range(loads, '{:.1f}')}"
     )
