@@ -68,7 +68,7 @@ class LLM:
         else:
             params = [sampling_params or SamplingParams()] * len(batch)
         for prompt, p in zip(batch, params, strict=True):  # check all before queueing any
-            self.engine.inputs.validate(prompt, p)
+            self.engine.validate_request(prompt, p)
         ids = [f"{next(self._ids)}" for _ in batch]
         for request_id, prompt, p in zip(ids, batch, params, strict=True):
             self.engine.add_request(request_id, prompt, p)

@@ -153,6 +153,20 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
 
+    def validate_request(
+        self, prompt: PromptType, params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Every check ``add_request`` makes except the id: (text, token ids) of the prompt.
+
+        Public so a caller can check a whole batch before queueing any of it (``LLM`` does;
+        the peer benchmark ``bench_engines.py`` does). The checks live in
+        :meth:`InputProcessor.validate`.
+
+        Raises:
+            ValueError: the request would be refused by ``add_request``.
+        """
+        return self.inputs.validate(prompt, params)
+
     def add_request(
         self,
         request_id: str,

@@ -114,3 +114,16 @@ def test_output_text_keeps_the_space_before_the_first_word(
     whole = tok.decode(ids_in + out.token_ids)
     assert whole.startswith(tok.decode(ids_in))
     assert out.text == whole[len(tok.decode(ids_in)) :]
+
+
+def test_validate_request_is_public_and_checks_without_queueing(llm: LLM) -> None:
+    """Regression: the architecture step moved the checks to InputProcessor and dropped
+    LLMEngine.validate_request, which callers (the peer benchmark bench_engines.py) use to
+    check a batch before queueing it."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=4)
+    text, ids = engine.validate_request({"prompt_token_ids": [1, 2, 3]}, params)
+    assert (text, ids) == (None, [1, 2, 3])
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.validate_request({"prompt_token_ids": [1] * engine.max_model_len}, params)
+    assert not engine.has_unfinished_requests()
