@@ -9,6 +9,7 @@ from typing import Any
 
 from hybridkv.core.model_config import builtin_model_names, load_model_spec
 from hybridkv.core.planner import Plan, plan
+from hybridkv.core.report import concurrency_line
 from hybridkv.core.units import GIB, MIB
 
 
@@ -118,5 +119,6 @@ def print_plan(p: Plan) -> None:
     if p.kv_capacity_tokens and p.physical_limit_tokens:
         ratio = p.kv_capacity_tokens / p.physical_limit_tokens
         console.print(f"KV capacity is {100 * ratio:.3f}% of the physical limit")
+    console.print(concurrency_line(p))
     for warning in p.warnings:
         console.print(f"[yellow]warning:[/] {warning}")

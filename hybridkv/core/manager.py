@@ -93,12 +93,17 @@ class CacheUsage(NamedTuple):
     num_requests: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
+    prefix_hybrid_miss_tokens: int  # KV cached past the hit, but no state to resume there
 
 
 @dataclass(slots=True)
 class CacheStats:
     query_tokens: int = 0  # prompt tokens looked up
     hit_tokens: int = 0  # of which served from the cache
+    # Hybrid misses: prompt tokens past the hit whose KV every attention group still held,
+    # lost because no recurrent state snapshot sat at or after them. The metric users asked
+    # vLLM and SGLang for: it says whether denser snapshots (checkpoint_interval) would pay.
+    hybrid_miss_tokens: int = 0
 
 
 class CacheManager:
@@ -208,6 +213,11 @@ class CacheManager:
         req.num_cached_tokens = req.num_computed
         self.stats.query_tokens += req.prompt_len
         self.stats.hit_tokens += req.num_computed
+        if self.config.enable_prefix_caching and self.recurrent and self.token_groups:
+            kv_only = longest_hybrid_hit(
+                list(self.token_groups.values()), req.hashes, len(req.tokens) - 1
+            )
+            self.stats.hybrid_miss_tokens += max(0, kv_only - req.num_computed)
 
     def _undo(self, req_id: ReqId, first: bool, new_pages: list[tuple[PageId, ...]]) -> None:
         if first:  # nothing else is held yet: drop the hit refs and the new pages
@@ -321,6 +331,7 @@ class CacheManager:
             num_requests=len(self._reqs),
             prefix_query_tokens=self.stats.query_tokens,
             prefix_hit_tokens=self.stats.hit_tokens,
+            prefix_hybrid_miss_tokens=self.stats.hybrid_miss_tokens,
         )
 
     def check_integrity(self) -> None:

@@ -50,6 +50,26 @@ class UnifiedBaseline:
     max_concurrency: int
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Concurrency:
+    """How many sequences of max_model_len run at once, and which resource says so.
+
+    The KV-bound counts attention blocks as if states took no room, the state-bound counts
+    live states as if KV took no room; in one shared arena both compete, so ``joint`` (both
+    at once) is at most the smaller. The effective cap is ``min(joint, max_num_seqs)``;
+    ``binding`` names what sets it: ``max_num_seqs``, ``kv_cache`` or ``state`` (the
+    smaller of the two bounds). SGLang #38846: an operator benchmarked 9 concurrent
+    requests believing in 32 because this cap was only in a log line.
+    """
+
+    kv_bound: int | None  # None: no attention layer, length costs no KV
+    state_bound: int | None  # None: no recurrent layer (the state slots of the arena)
+    joint: int
+    max_num_seqs: int
+    effective: int
+    binding: str
+
+
 @dataclass(frozen=True, kw_only=True)
 class Plan:
     model: str
@@ -65,6 +85,7 @@ class Plan:
     kv_capacity_tokens: int | None
     physical_limit_tokens: int | None
     max_concurrency: int
+    concurrency: Concurrency
     padding_waste_bytes: int
     unified: UnifiedBaseline
     warnings: list[str] = field(default_factory=list)
@@ -81,6 +102,14 @@ class Plan:
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "physical_limit_tokens": self.physical_limit_tokens,
             "max_concurrency": self.max_concurrency,
+            "concurrency": {
+                "kv_bound": self.concurrency.kv_bound,
+                "state_bound": self.concurrency.state_bound,
+                "joint": self.concurrency.joint,
+                "max_num_seqs": self.concurrency.max_num_seqs,
+                "effective": self.concurrency.effective,
+                "binding": self.concurrency.binding,
+            },
             "padding_waste_bytes": self.padding_waste_bytes,
             "padding_waste_percent": round(100 * self.padding_waste_bytes / self.memory_bytes, 4),
             "chunk_bytes": self.layout.chunk_bytes,
@@ -176,6 +205,46 @@ def _max_concurrency(layout: ArenaLayout, spec: ModelSpec, block_tokens: int, se
     return low
 
 
+def _state_bound(layout: ArenaLayout, spec: ModelSpec) -> int | None:
+    """Live states the arena holds when KV takes no room (None: no recurrent group)."""
+    if not any(g.is_recurrent for g in spec.groups):
+        return None
+    low, high = 0, 1
+    while _state_chunks(layout, spec, high) <= layout.num_full_chunks:
+        high *= 2
+    while low < high:
+        mid = (low + high + 1) // 2
+        fits = _state_chunks(layout, spec, mid) <= layout.num_full_chunks
+        low, high = (mid, high) if fits else (low, mid - 1)
+    return low
+
+
+def concurrency(
+    layout: ArenaLayout, spec: ModelSpec, block_tokens: int, seq_len: int, max_num_seqs: int
+) -> Concurrency:
+    """The bounds on sequences of ``seq_len`` running at once; see :class:`Concurrency`."""
+    kv_bound = None
+    if spec.num_attention_layers:
+        blocks_per_seq = -(-seq_len // block_tokens)
+        kv_bound = _max_kv_blocks(layout, spec, layout.num_full_chunks) // blocks_per_seq
+    state_bound = _state_bound(layout, spec)
+    joint = _max_concurrency(layout, spec, block_tokens, seq_len)
+    if max_num_seqs <= joint:
+        binding = "max_num_seqs"
+    elif state_bound is None or (kv_bound is not None and kv_bound <= state_bound):
+        binding = "kv_cache"
+    else:
+        binding = "state"
+    return Concurrency(
+        kv_bound=kv_bound,
+        state_bound=state_bound,
+        joint=joint,
+        max_num_seqs=max_num_seqs,
+        effective=min(joint, max_num_seqs),
+        binding=binding,
+    )
+
+
 # ----------------------------------------------------------------------------- baseline
 
 
@@ -251,22 +320,20 @@ def plan(
             f"({s} B) and one block of KV ({block_tokens * a} B) in chunks of "
             f"{layout.chunk_bytes} B"
         )
-    num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
+    num_seqs = requested_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
     if num_seqs > fit:
         warnings.append(
             f"max_num_seqs {num_seqs} clamped to {fit}: more live states than that leave no "
             f"KV room ({one_seq} B per sequence)"
         )
         num_seqs = fit
-    concurrency = _max_concurrency(layout, spec, block_tokens, seq_len)
-    if concurrency == 0:
+    if _max_concurrency(layout, spec, block_tokens, seq_len) == 0:
         raise PlanError(
             f"budget too small for one sequence of max_model_len={seq_len} tokens: "
             f"lower --max-model-len or raise --memory-gib"
         )
-    return _measure(
-        spec, layout, memory_bytes, block_tokens, num_seqs, seq_len, concurrency, warnings
-    )
+    bounds = concurrency(layout, spec, block_tokens, seq_len, requested_seqs)
+    return _measure(spec, layout, memory_bytes, block_tokens, num_seqs, seq_len, bounds, warnings)
 
 
 def _max_seqs_with_one_block(layout: ArenaLayout, spec: ModelSpec) -> int:
@@ -288,7 +355,7 @@ def _measure(
     block_tokens: int,
     num_seqs: int,
     seq_len: int,
-    concurrency: int,
+    bounds: Concurrency,
     warnings: list[str],
 ) -> Plan:
     a, s = spec.kv_bytes_per_token, spec.state_bytes_per_seq
@@ -328,7 +395,8 @@ def _measure(
         state_chunks=state_chunks,
         kv_capacity_tokens=kv_blocks * block_tokens if a else None,
         physical_limit_tokens=(memory_bytes - num_seqs * s) // a if a else None,
-        max_concurrency=concurrency,
+        max_concurrency=bounds.joint,
+        concurrency=bounds,
         padding_waste_bytes=padding,
         unified=unified_baseline(spec, memory_bytes, block_tokens, num_seqs, seq_len),
         warnings=warnings,

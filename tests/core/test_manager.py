@@ -283,3 +283,32 @@ def test_failed_allocation_puts_back_what_it_evicted_across_groups() -> None:
     assert [mgr.allocator.arena.owner(c) for c in range(4)] == [ATTN, STATE, None, None]
     mgr.add_request(C, tokens(9))
     assert mgr.find_hit(C).num_tokens == 8
+
+
+def test_hybrid_misses_count_cached_kv_without_a_state_snapshot() -> None:
+    """Prompt tokens whose KV every attention group held, lost for want of a snapshot."""
+    policy = CheckpointPolicy(at_prompt_end=False, at_sequence_end=False)
+    mgr = make_manager(num_chunks=8, checkpoint=policy)
+    mgr.add_request(A, tokens(20))
+    prefill(mgr, "a", 20)
+    mgr.free(A)
+    mgr.add_request(B, tokens(30))  # its first 20 tokens' KV is cached, no state is
+    prefill(mgr, "b", 30)
+    usage = mgr.usage()
+    assert (usage.prefix_query_tokens, usage.prefix_hit_tokens) == (50, 0)
+    assert usage.prefix_hybrid_miss_tokens == 20
+
+
+def test_no_hybrid_miss_when_the_snapshot_covers_the_kv_hit() -> None:
+    mgr = make_manager(num_chunks=8)
+    mgr.add_request(A, tokens(20))
+    prefill(mgr, "a", 20)  # snapshots at 16 and 20
+    mgr.free(A)
+    mgr.add_request(B, tokens(18) + tokens(12, start=900))  # KV 16, snapshot 16
+    prefill(mgr, "b", 30)
+    mgr.free(B)
+    mgr.add_request(C, tokens(24))  # KV 20 (a's blocks), snapshot at 20
+    prefill(mgr, "c", 24)
+    usage = mgr.usage()
+    assert usage.prefix_hit_tokens == 16 + 20
+    assert usage.prefix_hybrid_miss_tokens == 0

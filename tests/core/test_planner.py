@@ -161,3 +161,23 @@ def test_max_seq_len_of_a_model_without_attention_is_unbounded() -> None:
     spec = load_model_spec("mamba2-2.7b")
     layout = build_layout(spec.groups, 16, 1 * GIB)
     assert max_seq_len(layout, spec, 16) == UNBOUNDED_TOKENS
+
+
+@pytest.mark.parametrize("name", builtin_model_names())
+def test_concurrency_cap_names_the_resource_that_binds(name: str) -> None:
+    """effective = min(joint, max_num_seqs); joint <= both bounds; binding names the minimum."""
+    spec = load_model_spec(name)
+    for seqs, max_len in ((1, 8192), (4, 8192), (4096, 8192), (4096, 512)):
+        c = plan(spec, 8 * GIB, max_num_seqs=seqs, max_model_len=max_len).concurrency
+        assert c.effective == min(c.joint, seqs) and c.max_num_seqs == seqs
+        bounds = [b for b in (c.kv_bound, c.state_bound) if b is not None]
+        assert bounds and c.joint <= min(bounds)
+        if seqs <= c.joint:
+            assert c.binding == "max_num_seqs"
+        else:
+            smaller = "kv_cache" if c.state_bound is None else "state"
+            if c.kv_bound is not None and c.state_bound is not None:
+                smaller = "kv_cache" if c.kv_bound <= c.state_bound else "state"
+            assert c.binding == smaller
+    one = plan(spec, 8 * GIB, max_num_seqs=1, max_model_len=8192).concurrency
+    assert one.binding == "max_num_seqs" and one.effective == 1
