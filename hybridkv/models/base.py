@@ -36,6 +36,8 @@ class CausalLM(nn.Module):
     """
 
     model: DecoderStack
+    # Where a parameter still on the meta device is materialised by load_weights.
+    materialize_device: torch.device = torch.device("cpu")
 
     def __init__(self, cfg: Mapping[str, Any], spec: ModelSpec) -> None:
         super().__init__()
@@ -84,6 +86,10 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None:
         """Copy checkpoint tensors into the parameters (cast to their dtype).
 
+        A parameter on the meta device (built by the loader's ``parameters_on_meta``) is
+        materialised from its tensor in its dtype on :attr:`materialize_device` (the
+        tensor itself when it already is that, so no copy is made).
+
         Raises:
             KeyError: a checkpoint tensor has no parameter, or a parameter got no tensor.
             ValueError: a shape mismatch.
@@ -95,7 +101,7 @@ class CausalLM(nn.Module):
             if name is None or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             for part_name, tensor in self.split_weight(name, raw_tensor):
-                _copy_param(params, part_name, tensor)
+                _copy_param(params, part_name, tensor, self.materialize_device)
                 loaded.add(part_name)
         missing = set(params) - loaded
         if self.tie_word_embeddings:
@@ -104,10 +110,16 @@ class CausalLM(nn.Module):
             raise KeyError(f"checkpoint has no tensor for {sorted(missing)[:8]} ...")
 
 
-def _copy_param(params: dict[str, nn.Parameter], name: str, tensor: Tensor) -> None:
+def _copy_param(
+    params: dict[str, nn.Parameter], name: str, tensor: Tensor, device: torch.device
+) -> None:
     if name not in params:
         raise KeyError(f"checkpoint tensor {name!r} matches no parameter")
     param = params[name]
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}")
-    param.data.copy_(tensor.to(param.dtype))
+    if param.is_meta:  # swap in place: every module sharing this Parameter sees it
+        real = nn.Parameter(tensor.to(device=device, dtype=param.dtype), param.requires_grad)
+        torch.utils.swap_tensors(param, real)
+    else:
+        param.data.copy_(tensor.to(param.dtype))

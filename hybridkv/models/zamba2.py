@@ -132,6 +132,7 @@ class Zamba2SharedTransformer(nn.Module):
         self.input_layernorm = block.input_layernorm
         with torch.device("meta"):  # every projection is replaced by the block's below
             self.self_attn = PagedAttention(attn, layer_index)
+        placeholders = [*self.self_attn.parameters(), *self.self_attn.buffers()]  # kept alive
         self.self_attn.q_proj = LoRALinear(block.q_proj, attn_rank)
         self.self_attn.k_proj = LoRALinear(block.k_proj, attn_rank)
         self.self_attn.v_proj = LoRALinear(block.v_proj, attn_rank)
@@ -143,8 +144,12 @@ class Zamba2SharedTransformer(nn.Module):
             block.down_proj,
             str(cfg.get("hidden_act", "gelu")),
         )
-        leftover = [n for n, t in self.named_parameters() if t.is_meta]
-        leftover += [n for n, t in self.named_buffers() if t.is_meta]
+        # (identity, not is_meta: the loader builds every parameter on meta until it loads)
+        leftover = [
+            n
+            for n, t in (*self.named_parameters(), *self.named_buffers())
+            if any(t is p for p in placeholders)
+        ]
         if leftover:
             raise AssertionError(f"unshared modules left on the meta device: {leftover}")
 

@@ -95,3 +95,41 @@ def test_unknown_model_type_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     with pytest.raises(ValueError):
         load_model(tmp_path, "float32")
+
+
+def test_parameters_are_built_on_meta_and_loaded_as_read(tmp_path: Path) -> None:
+    """Lean loading: no random init, each parameter materialised from its tensor (in the
+    target dtype, the same storage when the checkpoint already holds that dtype)."""
+    from hybridkv.core.model_config import flatten_text_config, model_spec_from_config
+    from hybridkv.models.loader import parameters_on_meta
+    from hybridkv.models.registry import model_class
+
+    hf = make_hf_model("qwen3_5_text", tie_word_embeddings=True)
+    save_checkpoint(hf, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    spec = model_spec_from_config(raw, name="t")
+    with parameters_on_meta():
+        empty = model_class(spec.model_type)(flatten_text_config(raw), spec)
+    assert all(p.is_meta for p in empty.parameters())
+    assert not any(b.is_meta for b in empty.buffers())  # RoPE frequencies are computed
+    assert empty.lm_head.weight is empty.model.embed_tokens.weight  # ties survive
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # the patch is gone afterwards
+
+    lm = load_model(tmp_path, "float32")
+    assert not any(p.is_meta for p in lm.model.parameters())
+    assert lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
+    on_disk = load_file(tmp_path / "model.safetensors")
+    for name, param in lm.model.named_parameters():
+        if name in on_disk:
+            assert torch.equal(param, on_disk[name].float()), name
+
+
+def test_tokenizer_from_another_directory(tmp_path: Path) -> None:
+    hf = make_hf_model("qwen3_5_text")
+    save_checkpoint(hf, tmp_path / "ckpt")
+    (tmp_path / "tok").mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / "ckpt" / name).rename(tmp_path / "tok" / name)
+    assert load_model(tmp_path / "ckpt", "float32").tokenizer is None
+    lm = load_model(tmp_path / "ckpt", "float32", tokenizer_dir=tmp_path / "tok")
+    assert lm.tokenizer is not None and lm.tokenizer.encode("hello")

@@ -1,0 +1,116 @@
+"""Peak host memory and time of loading a real-shape checkpoint: hybridkv against transformers.
+
+Target (issue #15): peak RSS while loading <= 1.25 x the checkpoint's bytes in the target
+dtype + 300 MB, and load time <= transformers' ``from_pretrained``. The checkpoint is
+Qwen3.5-0.8B's published shape with random weights in bf16, built here with transformers
+(once, outside the checkout) from ``../shared/model_configs/qwen3.5-0.8b.json``.
+
+Each load runs in a fresh subprocess, ours and transformers' interleaved, so both see the
+same machine load; the figures are medians. Peak RSS is the process's ``VmHWM`` (imports
+included, as a user would see it); "delta" subtracts the RSS measured just before loading.
+
+    python benchmarks/load_memory.py --checkpoint /tmp/qwen35-08b-bf16 [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+MIB = 1 << 20
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "shared/model_configs/qwen3.5-0.8b.json"
+
+CHILD = """
+import json, sys, time
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+import torch
+torch.set_num_threads(1)
+{imports}
+before = rss("VmRSS")
+start = time.perf_counter()
+{load}
+seconds = time.perf_counter() - start
+print(json.dumps({{"seconds": seconds, "peak": rss("VmHWM"), "before": before}}))
+"""
+LOADERS = {
+    "hybridkv": (
+        "from hybridkv.models.loader import load_model",
+        "model = load_model(sys.argv[1], 'bfloat16').model",
+    ),
+    "transformers": (
+        "from transformers import AutoModelForCausalLM",
+        "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)",
+    ),
+}
+
+
+def build_checkpoint(config_path: Path, out: Path) -> None:
+    """A random bf16 Qwen3.5 text checkpoint with the published config's shapes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    published = json.loads(config_path.read_text())
+    fields = {
+        k: v
+        for k, v in published.items()
+        if not k.startswith("_") and "." not in k and k not in ("model_type", "total_params")
+    }
+    config = AutoConfig.for_model("qwen3_5_text", **fields)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+
+
+def measure(name: str, checkpoint: Path) -> dict[str, Any]:
+    imports, load = LOADERS[name]
+    code = CHILD.format(imports=imports, load=load)
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(checkpoint)], capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--checkpoint", type=Path, required=True, help="built here if absent")
+    parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    if not (args.checkpoint / "config.json").is_file():
+        print(f"building {args.checkpoint} from {args.config} ...", file=sys.stderr)
+        build_checkpoint(args.config, args.checkpoint)
+    size = sum(p.stat().st_size for p in args.checkpoint.glob("*.safetensors"))
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in LOADERS}
+    for _ in range(args.repeats):
+        for name in LOADERS:
+            runs[name].append(measure(name, args.checkpoint))
+    target = 1.25 * size + 300 * MIB
+    print(f"checkpoint {size / MIB:,.0f} MiB (bf16); target peak <= {target / MIB:,.0f} MiB")
+    summary = {}
+    for name, results in runs.items():
+        peak = statistics.median(r["peak"] for r in results)
+        delta = statistics.median(r["peak"] - r["before"] for r in results)
+        seconds = statistics.median(r["seconds"] for r in results)
+        summary[name] = {"peak_mib": peak / MIB, "delta_mib": delta / MIB, "seconds": seconds}
+        print(
+            f"{name:>12}: peak RSS {peak / MIB:,.0f} MiB (+{delta / MIB:,.0f} MiB over the "
+            f"pre-load RSS), load {seconds:.2f} s  [median of {len(results)}]"
+        )
+    ours, theirs = summary["hybridkv"], summary["transformers"]
+    print(
+        f"hybridkv/transformers: peak {ours['peak_mib'] / theirs['peak_mib']:.2f}x, "
+        f"time {ours['seconds'] / theirs['seconds']:.2f}x; peak target "
+        f"{'met' if ours['peak_mib'] * MIB <= target else 'MISSED'}"
+    )
+
+
+if __name__ == "__main__":
+    main()
