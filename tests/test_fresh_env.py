@@ -16,11 +16,13 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -127,7 +129,7 @@ class FreshEnv:
 
 
 @pytest.fixture(scope="module")
-def fresh_env(tmp_path_factory: pytest.TempPathFactory) -> FreshEnv:
+def fresh_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FreshEnv]:
     from hybridkv.sim.traces import save_trace
     from hybridkv.sim.workloads import ChatWorkload, chat_trace
     from tests.models.tiny import make_hf_model, save_checkpoint
@@ -145,7 +147,8 @@ def fresh_env(tmp_path_factory: pytest.TempPathFactory) -> FreshEnv:
     install = quick_start_commands()[0].split(" && ")[0]
     result = fresh.run(install, cwd=ROOT, timeout=1200)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return fresh
+    yield fresh
+    shutil.rmtree(fresh.venv)  # about 1 GiB: pytest keeps the last three runs' tmp dirs
 
 
 # ---------------------------------------------------------------- the commands
