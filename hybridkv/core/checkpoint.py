@@ -5,14 +5,25 @@ block that ends there. Let P be the prompt length and B the block size::
 
     prompt end       floor((P - 1) / B) * B     the largest hit a repeat of this prompt
                                                 can use (the last token is recomputed)
-    interval         every ``interval_tokens``  shared prefixes of other requests
+    branch point     the last block boundary    a prefix other requests share (Marconi's
+                     of the prefix the prompt   speculative insertion): the second request
+                     shares with what is        behind a system prompt takes it, the
+                     cached or running          third and later hit it (the manager finds
+                                                it at admission, :meth:`CacheManager.allocate`)
+    interval         every ``interval_tokens``  dense grid, off by default
     sequence end     each boundary crossed in   the next chat turn resumes here; only
                      decode                     the latest survives unless retained
 
+Every position inside a chunk ``(start, end]`` is taken during that chunk's forward
+(the runner asks the recurrent ops for the state after that row), so a snapshot costs a
+copy, never a step. ``CacheConfig.split_prefill_at_snapshots`` instead cuts prefill
+chunks at each position and copies the state after the forward (the engine before
+in-forward captures, and the simulator's ``hybridkv-prompt-end`` design).
+
 Retention (``retention_interval_tokens``): once a newer snapshot of the same request
-exists, an older one is kept only if it is the prompt end or sits on a multiple of the
-retention interval. Dense snapshots evict the attention prefixes they belong to
-(vLLM PR #45845: ~80% of blocks at block size 128), so sparse is the default.
+exists, an older one is kept only if it is the prompt end, the branch point or sits on
+a multiple of the retention interval. Dense snapshots evict the attention prefixes they
+belong to (vLLM PR #45845: ~80% of blocks at block size 128), so sparse is the default.
 
 What a request *holds* is separate from what the cache keeps: by default only its live
 state and its newest snapshot (the ``release_*``, ``reuse_*`` and ``demote_*`` knobs; why
@@ -29,6 +40,8 @@ class CheckpointPolicy:
     interval_tokens: int | None = None
     at_prompt_end: bool = True
     at_sequence_end: bool = True
+    # snapshot where the prompt's shared prefix ends when no snapshot covers it yet
+    at_branch_points: bool = True
     retention_interval_tokens: int | None = None
     # sequence-end snapshots only on multiples of this (None: every block boundary)
     decode_interval_tokens: int | None = None
@@ -38,8 +51,12 @@ class CheckpointPolicy:
     # the newest snapshot's page is rewritten in place at the next checkpoint when
     # retention would drop it anyway (no new page, no eviction per decode boundary)
     reuse_superseded_page: bool = True
-    # released superseded snapshots go to the front of the eviction queue
+    # released superseded snapshots go to the front of the eviction queue (a branch
+    # point, shared by design, keeps its place)
     demote_superseded: bool = True
+    # a running request does not hold even its newest snapshot: it is cached at the
+    # front of the eviction queue ("parked") and moved to the back when the request ends
+    release_newest: bool = True
     # the snapshot a request resumed from is released (and demoted) once its restore ran
     # if it covers sampled tokens (a previous turn's end); prompt snapshots stay held
     release_generated_hit: bool = True
@@ -59,7 +76,10 @@ class CheckpointPolicy:
         return max(0, (prompt_len - 1) // block_tokens * block_tokens)
 
     def is_checkpoint(self, position: int, prompt_len: int, block_tokens: int) -> bool:
-        """Whether the state after exactly ``position`` tokens should be snapshotted."""
+        """Whether the state after exactly ``position`` tokens should be snapshotted.
+
+        Branch points are per request and not known here (see :meth:`positions`).
+        """
         if position <= 0 or position % block_tokens:
             return False
         if self.interval_tokens and position % self.interval_tokens == 0:
@@ -70,24 +90,41 @@ class CheckpointPolicy:
             return False
         return not self.decode_interval_tokens or position % self.decode_interval_tokens == 0
 
-    def next_prefill_checkpoint(
-        self, start: int, end: int, prompt_len: int, block_tokens: int
-    ) -> int | None:
-        """The first checkpoint strictly inside (start, end): a prefill chunk must stop there."""
-        candidates: list[int] = []
-        if self.interval_tokens:
-            nxt = (start // self.interval_tokens + 1) * self.interval_tokens
-            if nxt < end:
-                candidates.append(nxt)
-        if self.at_prompt_end:
-            pe = self.prompt_end(prompt_len, block_tokens)
-            if start < pe < end:
-                candidates.append(pe)
-        return min(candidates) if candidates else None
+    def positions(
+        self, start: int, end: int, prompt_len: int, block_tokens: int, branch_tokens: int = 0
+    ) -> list[int]:
+        """Every position in ``(start, end]`` to snapshot, ascending.
 
-    def keep(self, position: int, prompt_len: int, block_tokens: int) -> bool:
+        ``branch_tokens``: the request's branch point (0: none). The same positions as
+        :meth:`is_checkpoint` over the range, found without visiting every block.
+        """
+        found: set[int] = set()
+        if self.at_branch_points and start < branch_tokens <= end:
+            found.add(branch_tokens)
+        if self.at_prompt_end:
+            prompt_end = self.prompt_end(prompt_len, block_tokens)
+            if start < prompt_end <= end:
+                found.add(prompt_end)
+        if self.interval_tokens:
+            found.update(_multiples(start, end, self.interval_tokens))
+        if self.at_sequence_end and end >= prompt_len:
+            step = self.decode_interval_tokens or block_tokens
+            found.update(_multiples(max(start, prompt_len - 1), end, step))
+        found.discard(0)
+        return sorted(found)
+
+    def keep(
+        self, position: int, prompt_len: int, block_tokens: int, branch_tokens: int = 0
+    ) -> bool:
         """Whether a superseded snapshot stays cached."""
         if self.at_prompt_end and position == self.prompt_end(prompt_len, block_tokens):
             return True
+        if position == branch_tokens:
+            return True
         interval = self.retention_interval_tokens or self.interval_tokens
         return interval is not None and position % interval == 0
+
+
+def _multiples(start: int, end: int, step: int) -> range:
+    """Multiples of ``step`` in ``(start, end]``."""
+    return range((start // step + 1) * step, end + 1, step)

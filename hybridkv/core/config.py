@@ -19,6 +19,11 @@ class CacheConfig:
     eviction: EvictionPolicy = EvictionPolicy.LRU
     eviction_alpha: float = 1.0
     cache_salt: str = ""  # anything else that changes what a cached page means
+    # False: every snapshot due inside a chunk is taken during its forward (the runner
+    # asks the recurrent ops for the state after that row). True: prefill chunks are cut
+    # at each snapshot position and the state is copied after the forward, one step more
+    # per snapshot (the engine before in-forward captures; the `hybridkv-prompt-end` design)
+    split_prefill_at_snapshots: bool = False
     # None: memory flows between groups. A fraction: recurrent groups are pinned to that
     # share of the chunks and attention to the rest (emulates SGLang's static split).
     state_memory_fraction: float | None = None

@@ -4,15 +4,17 @@ Per request and per step::
 
     add_request(req, prompt)          hashes the prompt's full blocks
     hit = find_hit(req)               read-only: the longest hybrid prefix hit
-    alloc = allocate(req, n, hit)     pages for n more tokens (+ snapshot/restore copies)
-    ... the runner restores, runs the model, takes snapshots ...
+    alloc = allocate(req, n, hit)     pages for n more tokens, restore copies, and a page
+                                      for every snapshot due in the chunk (its position)
+    ... the runner restores, runs the model, which writes the snapshots ...
     commit(req, num_computed, new)    publish full blocks and snapshots, apply retention
     free(req)                         at finish or preemption; hashed pages stay cached
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,7 +26,7 @@ from hybridkv.core.groups.attention import AttentionGroup
 from hybridkv.core.groups.base import CachedRequest, GroupManager
 from hybridkv.core.groups.recurrent import RecurrentGroup
 from hybridkv.core.groups.sliding import SlidingWindowGroup
-from hybridkv.core.hashing import extend_block_hashes, root_hash
+from hybridkv.core.hashing import BlockHash, extend_block_hashes, root_hash
 from hybridkv.core.ids import PageId, ReqId
 from hybridkv.core.layout import ArenaLayout, build_layout
 from hybridkv.core.spec import (
@@ -36,7 +38,16 @@ from hybridkv.core.spec import (
     Spec,
 )
 
-__all__ = ["Allocation", "CacheConfig", "CacheManager", "CacheUsage", "GroupUsage", "Hit"]
+__all__ = [
+    "Allocation",
+    "CacheConfig",
+    "CacheManager",
+    "CacheUsage",
+    "GroupUsage",
+    "Hit",
+    "Snapshot",
+    "StateCopy",
+]
 
 # The table: one manager class per spec kind. Token groups keep block tables, state
 # groups keep live states and snapshots; the façade reaches each through its own table.
@@ -54,15 +65,26 @@ class Hit(NamedTuple):
 
 
 class StateCopy(NamedTuple):
+    """A whole state page copied before the forward (a hit's snapshot into the live page)."""
+
     group_id: int
     src_page: PageId
     dst_page: PageId
 
 
+class Snapshot(NamedTuple):
+    """The state of ``group_id`` after exactly ``position`` tokens of the request, to be
+    written into ``page`` during the step (the chunk covers ``position``)."""
+
+    group_id: int
+    position: int
+    page: PageId
+
+
 class Allocation(NamedTuple):
     new_pages: tuple[tuple[PageId, ...], ...]  # new_pages[g]: pages group g added
     restores: tuple[StateCopy, ...]  # snapshot → live, before the forward
-    snapshots: tuple[StateCopy, ...]  # live → snapshot, after the forward
+    snapshots: tuple[Snapshot, ...]  # states inside (or at the end of) this step's chunk
     num_computed_tokens: int  # tokens in the cache before this step (the hit, at admission)
     num_cached_tokens: int  # prompt tokens the first admission found cached
 
@@ -130,6 +152,10 @@ class CacheManager:
         self.recurrent = list(self.state_groups.values())
         self._root = root_hash(model.name, model.model_type, model.dtype, config.cache_salt)
         self._reqs: dict[ReqId, CachedRequest] = {}
+        # prompt blocks of started requests: a prefix being computed counts as shared
+        # before it is cached (branch points, CheckpointPolicy.at_branch_points)
+        self._inflight: Counter[BlockHash] = Counter()
+        self._inflight_parents: Counter[BlockHash] = Counter()  # ... with a next block there
         self.stats = CacheStats()
 
     def _make_group(self, group: GroupSpec) -> GroupManager:
@@ -159,14 +185,25 @@ class CacheManager:
         return Hit(longest_hybrid_hit(self.groups, req.hashes, len(req.tokens) - 1))
 
     def next_split(self, req_id: ReqId, start: int, end: int) -> int:
-        """Where a prefill chunk [start, end) must end so the state is snapshotted there."""
-        if not (self.config.enable_prefix_caching and self.recurrent):
+        """Where a chunk [start, end) must end: ``end``, unless the cache splits prefills
+        at snapshots (``CacheConfig.split_prefill_at_snapshots``), then the first
+        snapshot position inside it.
+
+        Before a request's first allocation, ``start`` is its hit and the branch point
+        is found as :meth:`allocate` will find it.
+        """
+        if not (
+            self.config.split_prefill_at_snapshots
+            and self.config.enable_prefix_caching
+            and self.recurrent
+        ):
             return end
         req = self._reqs[req_id]
-        stop = self.config.checkpoint.next_prefill_checkpoint(
-            start, end, req.prompt_len, self.block_tokens
+        branch = req.branch_tokens if req.started else self._branch_point(req, start)
+        positions = self.config.checkpoint.positions(
+            start, end - 1, req.prompt_len, self.block_tokens, branch
         )
-        return end if stop is None else stop
+        return positions[0] if positions else end
 
     def allocate(
         self, req_id: ReqId, num_new_tokens: int, hit: Hit | None = None
@@ -203,7 +240,7 @@ class CacheManager:
         return Allocation(
             tuple(new_pages),
             restores,
-            self._reserve_snapshots(req_id, req, total),
+            self._reserve_snapshots(req_id, req, computed, total),
             num_computed_tokens=computed,
             num_cached_tokens=req.num_cached_tokens,
         )
@@ -218,6 +255,54 @@ class CacheManager:
                 list(self.token_groups.values()), req.hashes, len(req.tokens) - 1
             )
             self.stats.hybrid_miss_tokens += max(0, kv_only - req.num_computed)
+        if self.config.enable_prefix_caching and self.recurrent:
+            req.branch_tokens = self._branch_point(req, req.num_computed)
+            prompt_blocks = req.hashes[: req.prompt_len // self.block_tokens]
+            self._inflight.update(prompt_blocks)
+            self._inflight_parents.update(prompt_blocks[:-1])
+            req.num_inflight_blocks = len(prompt_blocks)
+
+    def _branch_point(self, req: CachedRequest, hit_tokens: int) -> int:
+        """Where the prompt's shared prefix branches off, if the hit does not reach it (else 0).
+
+        Marconi's speculative insertion (MLSys'25, §4.2) at block granularity: the
+        prompt's blocks are shared up to L (each cached in a token group, or in the prompt
+        of a started request: a prefix being computed counts before it is cached), and
+        another sequence continues past L with a different block. L is then a node where
+        sequences branch (a system prompt, a tool list, few-shot examples), and its state
+        is worth a snapshot. When nothing continues past L, the prompt merely extends a
+        sequence that ended there (the next turn of a chat whose snapshot was evicted):
+        no branch, no snapshot. Capped at the prompt end: the last prompt token is always
+        recomputed. Read-only.
+        """
+        if not self.config.checkpoint.at_branch_points:
+            return 0
+        limit = min(len(req.hashes), (req.prompt_len - 1) // self.block_tokens)
+        num_blocks = hit_tokens // self.block_tokens
+        while num_blocks < limit and self._is_shared(req.hashes[num_blocks]):
+            num_blocks += 1
+        shared = num_blocks * self.block_tokens
+        if shared <= hit_tokens or not self._continues(req.hashes[num_blocks - 1]):
+            return 0
+        return shared
+
+    def _is_shared(self, block_hash: BlockHash) -> bool:
+        if block_hash in self._inflight:
+            return True
+        return any(g.pool.lookup(block_hash) is not None for g in self.token_groups.values())
+
+    def _continues(self, block_hash: BlockHash) -> bool:
+        """Some started prompt or cached sequence has a block after this one."""
+        if block_hash in self._inflight_parents:
+            return True
+        return any(g.has_cached_child(block_hash) for g in self.token_groups.values())
+
+    def _stop(self, req: CachedRequest) -> None:
+        """Take the request's prompt blocks out of the in-flight sets."""
+        blocks = req.hashes[: req.num_inflight_blocks]
+        _forget(self._inflight, blocks)
+        _forget(self._inflight_parents, blocks[:-1])
+        req.num_inflight_blocks = 0
 
     def _undo(self, req_id: ReqId, first: bool, new_pages: list[tuple[PageId, ...]]) -> None:
         if first:  # nothing else is held yet: drop the hit refs and the new pages
@@ -236,32 +321,62 @@ class CacheManager:
             for g in self.recurrent
         )
 
+    def _snapshot_positions(self, req: CachedRequest, start: int, end: int) -> list[int]:
+        return self.config.checkpoint.positions(
+            start, end, req.prompt_len, self.block_tokens, req.branch_tokens
+        )
+
     def _reserve_snapshots(
-        self, req_id: ReqId, req: CachedRequest, total: int
-    ) -> tuple[StateCopy, ...]:
-        policy = self.config.checkpoint
+        self, req_id: ReqId, req: CachedRequest, start: int, total: int
+    ) -> tuple[Snapshot, ...]:
+        """A page per recurrent group for every snapshot position in ``(start, total]``.
+
+        All groups or none for a position (a partial snapshot is useless); the first
+        position that does not fit ends the reservations (snapshots are optional, never
+        a reason to fail the allocation). When prefills are split at snapshots, only the
+        chunk's end can be one.
+        """
         if not (self.config.enable_prefix_caching and self.recurrent):
             return ()
-        if not policy.is_checkpoint(total, req.prompt_len, self.block_tokens):
-            return ()
-        copies: list[StateCopy] = []
+        positions = self._snapshot_positions(req, start, total)
+        if self.config.split_prefill_at_snapshots:
+            positions = [p for p in positions if p == total]
+        policy = self.config.checkpoint
         reusable = None
         if policy.reuse_superseded_page:
 
             def reusable(position: int) -> bool:
-                return not policy.keep(position, req.prompt_len, self.block_tokens)
+                return not policy.keep(
+                    position, req.prompt_len, self.block_tokens, req.branch_tokens
+                )
 
+        snapshots: list[Snapshot] = []
+        for position in positions:
+            taken = self._reserve_position(req_id, position, reusable, position > req.prompt_len)
+            if taken is None:
+                break
+            snapshots += taken
+        return tuple(snapshots)
+
+    def _reserve_position(
+        self,
+        req_id: ReqId,
+        position: int,
+        reusable: Callable[[int], bool] | None,
+        generated: bool,
+    ) -> list[Snapshot] | None:
+        taken: list[Snapshot] = []
         self.allocator.begin()
         for group in self.recurrent:
-            page = group.reserve_snapshot(req_id, total, reusable, total > req.prompt_len)
-            if page is None:  # all groups or none: a partial snapshot is useless
+            page = group.reserve_snapshot(req_id, position, reusable, generated)
+            if page is None:
                 for g in self.recurrent:
-                    g.cancel_snapshot(req_id)
+                    g.cancel_snapshot(req_id, position)
                 self.allocator.rollback()
-                return ()
-            copies.append(StateCopy(group.group_id, group.live_page(req_id), page))
+                return None
+            taken.append(Snapshot(group.group_id, position, page))
         self.allocator.end()
-        return tuple(copies)
+        return taken
 
     def commit(self, req_id: ReqId, num_computed: int, new_token_ids: Sequence[int] = ()) -> None:
         """Record a finished step: ``num_computed`` tokens are in the cache now.
@@ -283,7 +398,9 @@ class CacheManager:
         self.allocator.tick()
         for group in self.groups:
             group.free(req_id)
-        self._reqs.pop(req_id, None)
+        req = self._reqs.pop(req_id, None)
+        if req is not None:
+            self._stop(req)
 
     # ------------------------------------------------------------------ queries
 
@@ -339,3 +456,13 @@ class CacheManager:
         self.allocator.check_integrity()
         for group in self.groups:
             group.check_integrity()
+
+
+def _forget(counts: Counter[BlockHash], hashes: Sequence[BlockHash]) -> None:
+    """Take one count of each hash away, dropping the ones that reach zero."""
+    for block_hash in hashes:
+        count = counts[block_hash] - 1
+        if count > 0:
+            counts[block_hash] = count
+        else:
+            del counts[block_hash]

@@ -163,9 +163,7 @@ class PagePool:
         if page in self._hash and demote:
             used = self.last_used[page]
             self._newest_use[chunk] = max(self._newest_use.get(chunk, 0), used)
-            self._front_seq -= 1
-            self._cached[page] = self._front_seq
-            self._cached.move_to_end(page, last=False)
+            self._to_front(page)
             return
         self.last_used[page] = now
         self._newest_use[chunk] = max(self._newest_use.get(chunk, 0), now)
@@ -174,6 +172,16 @@ class PagePool:
             self._cached[page] = self._queue_seq
         else:
             self._put_free(page)
+
+    def demote(self, page: PageId) -> None:
+        """Move a cached page to the front of the eviction queue (evicted next)."""
+        if page in self._cached:
+            self._to_front(page)
+
+    def _to_front(self, page: PageId) -> None:
+        self._front_seq -= 1
+        self._cached[page] = self._front_seq
+        self._cached.move_to_end(page, last=False)
 
     def cache(self, page: PageId, block_hash: BlockHash, saved_tokens: int) -> bool:
         """Register a referenced page under a hash. False if the hash is already cached."""

@@ -84,6 +84,7 @@ class LLMEngine:
                 checkpoint=config.checkpoint_policy,
                 eviction=config.eviction_policy,
                 eviction_alpha=config.eviction_alpha,
+                split_prefill_at_snapshots=True,
             ),
         )
         self.max_model_len = self._choose_max_model_len(config)

@@ -104,5 +104,17 @@ class ModelRunner:
         self.copy_pages(c for chunk in chunks for c in chunk.allocation.restores)
         batch = self.build_batch(chunks, manager)
         logits = self.model(batch, self.views)
-        self.copy_pages(c for chunk in chunks for c in chunk.allocation.snapshots)
+        self.copy_pages(self._snapshot_copies(chunks, manager))
         return logits.float()
+
+    @staticmethod
+    def _snapshot_copies(chunks: list[ScheduledChunk], manager: CacheManager) -> list[StateCopy]:
+        """Snapshots as copies of the live page after the forward: each must be at its
+        chunk's end (the engine asks the core to split prefills at snapshots)."""
+        copies: list[StateCopy] = []
+        for chunk in chunks:
+            for snap in chunk.allocation.snapshots:
+                assert snap.position == chunk.end, f"snapshot {snap} inside chunk {chunk}"
+                live = manager.live_page(chunk.seq.seq_id, snap.group_id)
+                copies.append(StateCopy(snap.group_id, live, snap.page))
+        return copies

@@ -5,13 +5,19 @@ designs, built from the core's options so that every design runs the same schedu
 the same hashing and the same trace (docs/simulator.md says what each one leaves out)::
 
     hybridkv                natural page sizes (block 16), shared arena where chunks flow
-                            between states and KV, sparse snapshots (prompt end + sequence
-                            end, a request holds only its newest), LRU eviction with
-                            superseded snapshots demoted (the core's defaults)
-    hybridkv-cost           the same with cost-aware eviction (Marconi's utility)
+                            between states and KV, sparse snapshots taken inside the
+                            forward (branch points, prompt end, sequence end; a request
+                            holds only its live state, its newest snapshot is parked in the
+                            cache), LRU eviction with superseded snapshots demoted (the
+                            core's defaults)
+    hybridkv-prompt-end     the policy before issue 12: no branch points, a request holds
+                            its newest snapshot, and prefill chunks cut at the prompt-end
+                            snapshot (one step more)
+    hybridkv-cost           hybridkv with cost-aware eviction (Marconi's utility)
     unified-page            vLLM's sizing: attention blocks inflated until one layer's KV
                             page is as big as one layer's state (planner.unified_baseline),
-                            prefix blocks of that size and a snapshot at every block, all kept
+                            prefix blocks of that size and a snapshot at every block, all kept,
+                            taken inside the forward (vLLM's "all" mamba cache mode)
     unified-page-retention  the same, keeping one snapshot per RETENTION_BLOCKS blocks
                             (plus the prompt end and the newest)
     static-split            SGLang's default pools: states get r/(1+r) of the memory with
@@ -45,12 +51,23 @@ def _hybridkv(eviction: EvictionPolicy) -> Callable[[ModelSpec, int], CacheConfi
     return make
 
 
+def _hybridkv_prompt_end(model: ModelSpec, memory_bytes: int) -> CacheConfig:
+    return CacheConfig(
+        memory_bytes=memory_bytes,
+        block_tokens=BLOCK_TOKENS,
+        checkpoint=CheckpointPolicy(at_branch_points=False, release_newest=False),
+        split_prefill_at_snapshots=True,
+    )
+
+
 def _unified(retention_blocks: int | None) -> Callable[[ModelSpec, int], CacheConfig]:
     def make(model: ModelSpec, memory_bytes: int) -> CacheConfig:
         block = unified_block_tokens(model)
         policy = CheckpointPolicy(
             interval_tokens=block,
             retention_interval_tokens=block * retention_blocks if retention_blocks else None,
+            at_branch_points=False,  # every block boundary is a checkpoint already
+            release_newest=False,  # a running vLLM request holds its blocks
         )
         return CacheConfig(
             memory_bytes=memory_bytes,
@@ -75,6 +92,7 @@ def _static_split(model: ModelSpec, memory_bytes: int) -> CacheConfig:
 
 DESIGNS: dict[str, Callable[[ModelSpec, int], CacheConfig]] = {
     "hybridkv": _hybridkv(EvictionPolicy.LRU),
+    "hybridkv-prompt-end": _hybridkv_prompt_end,
     "hybridkv-cost": _hybridkv(EvictionPolicy.COST),
     "unified-page": _unified(None),
     "unified-page-retention": _unified(RETENTION_BLOCKS),

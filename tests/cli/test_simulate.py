@@ -25,7 +25,14 @@ KEYS = {
     "snapshots_taken",
     "snapshots_kept",
 }
-NAMES = ["hybridkv", "hybridkv-cost", "unified-page", "unified-page-retention", "static-split"]
+NAMES = [
+    "hybridkv",
+    "hybridkv-prompt-end",
+    "hybridkv-cost",
+    "unified-page",
+    "unified-page-retention",
+    "static-split",
+]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.eviction import EvictionPolicy
-from hybridkv.core.ids import ReqId
+from hybridkv.core.ids import PageId, ReqId
 from hybridkv.core.layout import ArenaLayout, PageLayout, page_tensors
 from hybridkv.core.manager import Allocation, CacheConfig, CacheManager, Hit
 from hybridkv.core.spec import (
@@ -139,7 +139,9 @@ def make_manager(
     caching: bool = True,
     checkpoint: CheckpointPolicy | None = None,
     eviction: EvictionPolicy = EvictionPolicy.LRU,
+    split: bool = False,
 ) -> CacheManager:
+    """``split``: prefill chunks are cut at snapshots (``split_prefill_at_snapshots``)."""
     model = model or hybrid_model()
     layout = make_layout(
         model, num_chunks=num_chunks, block_tokens=block_tokens, tail_bytes=tail_bytes
@@ -150,6 +152,7 @@ def make_manager(
         enable_prefix_caching=caching,
         checkpoint=checkpoint or CheckpointPolicy(),
         eviction=eviction,
+        split_prefill_at_snapshots=split,
     )
     return CacheManager(model, config, layout=layout)
 
@@ -203,7 +206,8 @@ def started(mgr: CacheManager, req: str) -> bool:
 def prefill(
     mgr: CacheManager, req: str, prompt_len: int, sampled: int = -1, chunk_tokens: int = 1 << 30
 ) -> list[Allocation]:
-    """Run a request's whole prompt, stopping chunks where ``next_split`` says.
+    """Run a request's whole prompt in chunks of ``chunk_tokens``, also cut where
+    ``next_split`` says (only a manager that splits prefills at snapshots cuts them).
 
     The first allocation takes the hit. The last chunk appends ``sampled`` (the first
     generated token). Fails the test if memory runs out.
@@ -239,6 +243,16 @@ def snapshot_positions(mgr: CacheManager, req: str) -> list[int]:
     per_group = [sorted(g.reqs[ReqId(req)].snapshots) for g in mgr.recurrent]
     assert all(p == per_group[0] for p in per_group)
     return per_group[0]
+
+
+def parked(mgr: CacheManager, req: str) -> tuple[int, PageId] | None:
+    """(position, page) of the request's newest snapshot, released while it runs
+    (``CheckpointPolicy.release_newest``) and still cached; None if there is none."""
+    group = mgr.recurrent[0]
+    state = group.reqs[ReqId(req)]
+    if state.parked is None or not group._is_parked(state):
+        return None
+    return state.parked.position, state.parked.page
 
 
 def cached_snapshot_positions(mgr: CacheManager, token_ids: Sequence[int]) -> list[int]:

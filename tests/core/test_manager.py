@@ -10,6 +10,7 @@ from core_factories import (
     decode,
     make_manager,
     page_counts,
+    parked,
     prefill,
     snapshot_positions,
     tokens,
@@ -17,7 +18,7 @@ from core_factories import (
 
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.ids import ReqId
-from hybridkv.core.manager import StateCopy
+from hybridkv.core.manager import Snapshot, StateCopy
 
 A, B, C = ReqId("a"), ReqId("b"), ReqId("c")
 ATTN, STATE = 0, 1
@@ -27,6 +28,7 @@ LEGACY = CheckpointPolicy(
     reuse_superseded_page=False,
     demote_superseded=False,
     release_generated_hit=False,
+    release_newest=False,
 )
 
 
@@ -36,14 +38,27 @@ LEGACY = CheckpointPolicy(
 def test_prompt_end_snapshot_at_floor_of_prompt_minus_one(prompt_len: int, prompt_end: int) -> None:
     mgr = make_manager(num_chunks=8)
     mgr.add_request(A, tokens(prompt_len))
-    assert mgr.next_split(A, 0, prompt_len) == prompt_end
+    assert mgr.next_split(A, 0, prompt_len) == prompt_len  # the snapshot is inside the chunk
     allocs = prefill(mgr, "a", prompt_len)
-    snapshot_page = allocs[0].snapshots[0].dst_page
-    assert allocs[0].snapshots == (StateCopy(STATE, mgr.live_page(A, STATE), snapshot_page),)
+    assert len(allocs) == 1
+    snapshot_page = allocs[0].snapshots[0].page
+    assert allocs[0].snapshots[0] == Snapshot(STATE, prompt_end, snapshot_page)
     assert prompt_end in cached_snapshot_positions(mgr, tokens(prompt_len))
     mgr.free(A)
     mgr.add_request(B, tokens(prompt_len))  # the same prompt again
     assert mgr.find_hit(B).num_tokens == prompt_end
+
+
+@pytest.mark.parametrize("prompt_len", [5, 9, 13])
+def test_split_mode_cuts_the_prefill_at_the_prompt_end(prompt_len: int) -> None:
+    """``split_prefill_at_snapshots``: the snapshot is the state at a chunk's end."""
+    mgr = make_manager(num_chunks=8, split=True)
+    mgr.add_request(A, tokens(prompt_len))
+    prompt_end = (prompt_len - 1) // BLOCK * BLOCK
+    assert mgr.next_split(A, 0, prompt_len) == prompt_end
+    allocs = prefill(mgr, "a", prompt_len)
+    assert [a.num_computed_tokens for a in allocs] == [0, prompt_end]
+    assert [[s.position for s in a.snapshots] for a in allocs] == [[prompt_end], []]
 
 
 def test_no_kv_hit_without_its_state() -> None:
@@ -63,7 +78,8 @@ def test_hit_is_the_snapshot_not_the_longest_kv_prefix() -> None:
     mgr.add_request(A, tokens(20))
     prefill(mgr, "a", 20)  # snapshots at 16 (prompt end) and 20 (the whole prompt)
     assert cached_snapshot_positions(mgr, tokens(20)) == [16, 20]
-    assert snapshot_positions(mgr, "a") == [20]  # 16 was released to the cache
+    assert snapshot_positions(mgr, "a") == []  # 16 was released to the cache ...
+    assert parked(mgr, "a") is not None and parked(mgr, "a")[0] == 20  # ... and 20 parked
     mgr.free(A)
     mgr.add_request(B, tokens(18) + tokens(12, start=900))  # shares 18 tokens with a
     assert mgr.find_hit(B).num_tokens == 16  # KV covers 16 too; the next snapshot is 20
@@ -75,7 +91,9 @@ def test_hit_restores_the_snapshot_into_a_fresh_live_page() -> None:
     mgr = make_manager(num_chunks=8)
     mgr.add_request(A, tokens(13))
     prefill(mgr, "a", 13)
-    snapshot = mgr.recurrent[0].reqs[A].snapshots[12]
+    newest = parked(mgr, "a")
+    assert newest is not None and newest[0] == 12
+    snapshot = newest[1]
     mgr.free(A)
     mgr.add_request(B, tokens(13))
     hit = mgr.find_hit(B)
@@ -96,12 +114,13 @@ def test_decode_keeps_only_the_latest_boundary_snapshot_and_the_prompt_end() -> 
     mgr = make_manager(num_chunks=16)
     mgr.add_request(A, tokens(6))
     prefill(mgr, "a", 6, sampled=100)
-    assert snapshot_positions(mgr, "a") == [4]
+    assert parked(mgr, "a")[0] == 4  # the request holds none: its newest is parked
     decode(mgr, "a", tokens(2, start=101))  # computes positions 6 and 7
-    assert snapshot_positions(mgr, "a") == [8]  # the request holds only its newest
+    assert parked(mgr, "a")[0] == 8
     decode(mgr, "a", tokens(20, start=103))  # up to 28 tokens computed
     assert mgr.num_computed_tokens(A) == 28
-    assert snapshot_positions(mgr, "a") == [28]
+    assert parked(mgr, "a")[0] == 28
+    assert snapshot_positions(mgr, "a") == []
     seq = tokens(6) + tokens(23, start=100)
     assert cached_snapshot_positions(mgr, seq) == [4, 28]  # dropped ones left the cache
 
@@ -124,12 +143,25 @@ def test_retention_interval_keeps_sparse_snapshots() -> None:
     decode(mgr, "a", tokens(35, start=101))  # 40 tokens computed
     seq = tokens(6) + tokens(36, start=100)
     assert cached_snapshot_positions(mgr, seq) == [4, 16, 32, 40]
-    assert snapshot_positions(mgr, "a") == [40]  # 4, 16, 32 are cached, not held
+    assert snapshot_positions(mgr, "a") == []  # 4, 16, 32 are cached, not held
+    assert parked(mgr, "a")[0] == 40
 
 
-def test_interval_checkpoints_split_prefill_chunks() -> None:
+def test_interval_checkpoints_are_taken_inside_one_chunk() -> None:
     policy = CheckpointPolicy(interval_tokens=2 * BLOCK)
     mgr = make_manager(num_chunks=16, checkpoint=policy)
+    mgr.add_request(A, tokens(30))
+    allocs = prefill(mgr, "a", 30)
+    assert len(allocs) == 1
+    assert [s.position for s in allocs[0].snapshots] == [8, 16, 24, 28]
+    assert len({s.page for s in allocs[0].snapshots}) == 4
+    assert cached_snapshot_positions(mgr, tokens(30)) == [8, 16, 24, 28]
+    assert parked(mgr, "a")[0] == 28
+
+
+def test_interval_checkpoints_split_prefill_chunks_in_split_mode() -> None:
+    policy = CheckpointPolicy(interval_tokens=2 * BLOCK)
+    mgr = make_manager(num_chunks=16, checkpoint=policy, split=True)
     mgr.add_request(A, tokens(30))
     assert mgr.next_split(A, 0, 30) == 8
     assert mgr.next_split(A, 8, 30) == 16
@@ -139,15 +171,15 @@ def test_interval_checkpoints_split_prefill_chunks() -> None:
     allocs = prefill(mgr, "a", 30)
     assert [len(a.snapshots) for a in allocs] == [1, 1, 1, 1, 0]
     assert cached_snapshot_positions(mgr, tokens(30)) == [8, 16, 24, 28]
-    assert snapshot_positions(mgr, "a") == [28]
+    assert parked(mgr, "a")[0] == 28
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no_caching"])
 def test_next_split_without_recurrent_groups_or_caching_is_the_chunk(caching: bool) -> None:
-    mgr = make_manager(attention_model(), num_chunks=16, caching=caching)
+    mgr = make_manager(attention_model(), num_chunks=16, caching=caching, split=True)
     mgr.add_request(A, tokens(30))
     assert mgr.next_split(A, 0, 30) == 30
-    mgr = make_manager(num_chunks=16, caching=False)
+    mgr = make_manager(num_chunks=16, caching=False, split=True)
     mgr.add_request(A, tokens(30))
     assert mgr.next_split(A, 0, 30) == 30
 
@@ -231,8 +263,8 @@ def test_duplicate_prefix_from_two_concurrent_requests() -> None:
         mgr.commit(req, 12)
         mgr.check_integrity()
     assert mgr.allocator.pools[ATTN].num_cached_pages == 0  # all still referenced
-    assert len(mgr.recurrent[0].reqs[A].snapshots) == 1  # a published first
-    assert len(mgr.recurrent[0].reqs[B].snapshots) == 0  # b's copy went back
+    assert parked(mgr, "a") is not None  # a published first
+    assert mgr.recurrent[0].reqs[B].parked is None  # b's copy went back
     mgr.free(A)
     mgr.free(B)
     assert page_counts(mgr).cached == (3, 1)

@@ -1,7 +1,9 @@
 """Random schedules against the cache manager, with every invariant checked after each step.
 
-Requests share prefixes, memory is tight (a handful of chunks), so hits, evictions
-across groups, failed allocations and preemptions all happen. After every rule
+Requests share prefixes, memory is tight (a handful of chunks), so hits, branch points
+(a prefix shared with a cached or running prompt), several snapshots in one chunk,
+parked snapshots evicted under pressure, evictions across groups, failed allocations
+and preemptions all happen. After every rule
 ``check_integrity()`` runs; a failed allocation must leave every count as it was; at
 the end, with every request freed, no page is referenced.
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from core_factories import hybrid_model, make_manager, page_counts, sliding_hybrid_model
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     Bundle,
@@ -45,7 +47,10 @@ SETTINGS = settings(
 
 
 def machine(
-    model: Callable[[], ModelSpec], policy: EvictionPolicy, checkpoint: CheckpointPolicy
+    model: Callable[[], ModelSpec],
+    policy: EvictionPolicy,
+    checkpoint: CheckpointPolicy,
+    split: bool = False,
 ) -> type[RuleBasedStateMachine]:
     class CacheMachine(RuleBasedStateMachine):
         reqs = Bundle("reqs")
@@ -53,7 +58,7 @@ def machine(
         def __init__(self) -> None:
             super().__init__()
             self.mgr: CacheManager = make_manager(
-                model(), num_chunks=6, eviction=policy, checkpoint=checkpoint
+                model(), num_chunks=6, eviction=policy, checkpoint=checkpoint, split=split
             )
             self.next_id = 0
             self.prompt_len: dict[ReqId, int] = {}
@@ -135,9 +140,14 @@ def machine(
                 live = mgr.live_page(req_id, group.group_id)
                 assert first or self.holds[group.group_id, live] == seq[:computed]
                 self.holds[group.group_id, live] = seq[:new_end]
-            for copy in alloc.snapshots:
-                assert copy.src_page == mgr.live_page(req_id, copy.group_id)
-                self.holds[copy.group_id, copy.dst_page] = seq[:new_end]
+            if first and mgr._reqs[req_id].branch_tokens:
+                event("branch point")
+            if len({s.position for s in alloc.snapshots}) > 1:
+                event("several snapshots in one chunk")
+            for snap in alloc.snapshots:  # the state after exactly snap.position tokens
+                assert computed < snap.position <= new_end
+                assert snap.page != mgr.live_page(req_id, snap.group_id)
+                self.holds[snap.group_id, snap.page] = seq[: snap.position]
 
         def _token_groups(self) -> list:
             return [g for g in self.mgr.groups if not g.group.is_recurrent]
@@ -187,11 +197,14 @@ LEGACY = CheckpointPolicy(
     reuse_superseded_page=False,
     demote_superseded=False,
     release_generated_hit=False,
+    release_newest=False,
 )
 TestHybridLegacy = machine(hybrid_model, EvictionPolicy.LRU, LEGACY).TestCase
 # decode snapshots every 2 blocks, with retention keeping every 2nd block of the prompt
 SPARSE_DECODE = CheckpointPolicy(decode_interval_tokens=8, retention_interval_tokens=8)
 TestHybridSparseDecode = machine(hybrid_model, EvictionPolicy.COST, SPARSE_DECODE).TestCase
+# prefill chunks cut at every snapshot (the hybridkv-prompt-end design)
+TestHybridSplit = machine(hybrid_model, EvictionPolicy.LRU, SPARSE, split=True).TestCase
 for case in (
     TestHybridLru,
     TestHybridCost,
@@ -199,5 +212,7 @@ for case in (
     TestSlidingCost,
     TestHybridLegacy,
     TestHybridSparseDecode,
+    TestHybridSplit,
 ):
     case.settings = SETTINGS
+del case  # a module-level TestCase would be collected twice

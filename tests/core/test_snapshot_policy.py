@@ -1,6 +1,7 @@
 """What a request holds of its snapshots, and what the cache keeps of them (CheckpointPolicy).
 
-The default policy: a request holds its live state and its newest snapshot only;
+The default policy: a request holds its live state only; its newest snapshot is parked
+(released to the cache at its recency, moved to the back when the request ends);
 superseded snapshots that retention keeps are released to the cache (ref 0, hits for
 other requests, evictable) at the front of the eviction queue; a decode boundary
 rewrites the newest snapshot's page in place when retention would drop it anyway;
@@ -14,6 +15,7 @@ from core_factories import (
     cached_snapshot_positions,
     decode,
     make_manager,
+    parked,
     prefill,
     snapshot_positions,
     step,
@@ -31,7 +33,7 @@ ATTN, STATE = 0, 1
 def held_state_pages(mgr: CacheManager, req: ReqId) -> int:
     """State pages the request references: its live page, snapshots and a pending one."""
     state = mgr.recurrent[0].reqs[req]
-    return len(state.snapshots) + (state.live is not None) + (state.pending is not None)
+    return len(state.snapshots) + (state.live is not None) + len(state.pending)
 
 
 def test_superseded_snapshot_is_released_but_stays_a_hit() -> None:
@@ -41,7 +43,8 @@ def test_superseded_snapshot_is_released_but_stays_a_hit() -> None:
     state_pool = mgr.allocator.pools[STATE]
     page16 = state_pool.lookup(mgr._reqs[A].hashes[3])
     assert page16 is not None
-    assert snapshot_positions(mgr, "a") == [20]
+    assert snapshot_positions(mgr, "a") == []
+    assert parked(mgr, "a")[0] == 20
     assert state_pool.ref_count(page16) == 0  # nobody pins it ...
     assert page16 in state_pool.cached_pages_oldest_first()  # ... it is evictable
     mgr.add_request(B, tokens(18) + tokens(6, start=900))
@@ -61,7 +64,8 @@ def test_released_superseded_snapshot_is_evicted_before_newer_cached_pages() -> 
     prefill(mgr, "a", 8)  # prompt end 4, then 8: 4 is superseded after c's release
     a4 = state_pool.lookup(mgr._reqs[A].hashes[0])
     assert a4 is not None
-    assert state_pool.cached_pages_oldest_first() == [a4, c_page]  # demoted to the front
+    a8 = parked(mgr, "a")[1]
+    assert state_pool.cached_pages_oldest_first() == [a4, c_page, a8]  # 4 demoted to the front
     mgr.add_request(B, tokens(4, start=900))
     assert mgr.allocate(B, 3, mgr.find_hit(B)) is not None  # needs a live state page
     assert cached_snapshot_positions(mgr, tokens(8)) == [8]  # a's 4 went first
@@ -75,16 +79,16 @@ def test_decode_boundary_rewrites_the_newest_snapshot_page_in_place() -> None:
     prefill(mgr, "a", 6, sampled=100)
     first = step(mgr, "a", 2, [101])  # computes 6, 7: snapshot at 8 (new page)
     assert first is not None and len(first.snapshots) == 1
-    page8 = first.snapshots[0].dst_page
+    page8 = first.snapshots[0].page
     for i in range(4):  # computes 8 .. 11
         alloc = step(mgr, "a", 1, [102 + i])
         assert alloc is not None
-        assert held_state_pages(mgr, A) == 2  # live + newest, never the prompt end
-    assert alloc.snapshots[0].dst_page == page8  # the boundary at 12 reused 8's page
+        assert held_state_pages(mgr, A) == 1  # live only: the newest is parked
+    assert alloc.snapshots[0].page == page8  # the boundary at 12 reused 8's page
     assert alloc.new_pages[STATE] == ()
     seq = tokens(6) + tokens(8, start=100)
     assert cached_snapshot_positions(mgr, seq) == [4, 12]  # 8's hash is gone with it
-    assert snapshot_positions(mgr, "a") == [12]
+    assert parked(mgr, "a") == (12, page8)
 
 
 def test_a_snapshot_another_request_resumed_from_is_not_rewritten() -> None:
@@ -92,13 +96,14 @@ def test_a_snapshot_another_request_resumed_from_is_not_rewritten() -> None:
     mgr.add_request(A, tokens(6))
     prefill(mgr, "a", 6, sampled=100)
     decode(mgr, "a", tokens(3, start=101))  # 8 computed: a's newest snapshot is at 8
-    page8 = mgr.recurrent[0].reqs[A].snapshots[8]
+    position, page8 = parked(mgr, "a")
+    assert position == 8
     mgr.add_request(B, tokens(6) + tokens(4, start=100))
     hit = mgr.find_hit(B)
     assert hit.num_tokens == 8
     assert mgr.allocate(B, 2, hit) is not None  # b holds 8 until its restore has run
     alloc = decode(mgr, "a", tokens(3, start=104))[-1]  # computes 9 .. 11: snapshot at 12
-    assert alloc.snapshots[0].dst_page != page8
+    assert alloc.snapshots[0].page != page8
     mgr.commit(B, 10)
     assert mgr.allocator.pools[STATE].ref_count(page8) == 0  # cached, not lost
     seq = tokens(6) + tokens(7, start=100)
@@ -112,11 +117,13 @@ def test_cancelled_reuse_puts_the_snapshot_back() -> None:
     prefill(mgr, "a", 6, sampled=100)
     decode(mgr, "a", tokens(3, start=101))  # newest snapshot at 8
     group = mgr.recurrent[0]
-    page8 = group.reqs[A].snapshots[8]
+    position, page8 = parked(mgr, "a")
+    assert position == 8
     assert group.reserve_snapshot(A, 12, lambda position: True) == page8
     assert cached_snapshot_positions(mgr, tokens(6) + tokens(3, start=100)) == [4]
-    group.cancel_snapshot(A)  # what _reserve_snapshots does when another group fails
-    assert group.reqs[A].snapshots == {8: page8}
+    assert parked(mgr, "a") is None
+    group.cancel_snapshot(A, 12)  # what _reserve_snapshots does when another group fails
+    assert parked(mgr, "a") == (8, page8)
     assert cached_snapshot_positions(mgr, tokens(6) + tokens(3, start=100)) == [4, 8]
     mgr.check_integrity()
 
@@ -138,7 +145,8 @@ def test_generated_hit_is_released_after_the_restore() -> None:
     assert 12 not in snapshot_positions(mgr, "b")
     assert mgr.allocator.pools[STATE].ref_count(page12) == 0
     assert mgr.allocator.pools[STATE].cached_pages_oldest_first()[0] == page12  # demoted
-    assert held_state_pages(mgr, B) == 2  # live + its own snapshot at 16
+    assert held_state_pages(mgr, B) == 1  # live; its own snapshot at 16 is parked
+    assert parked(mgr, "b")[0] == 16
     mgr.check_integrity()
 
 
@@ -163,4 +171,4 @@ def test_decode_interval_snapshots_only_on_its_grid() -> None:
     allocs = decode(mgr, "a", tokens(22, start=101))  # computes 6 .. 27
     taken = [6 + i + 1 for i, a in enumerate(allocs) if a.snapshots]
     assert taken == [8, 16, 24]
-    assert snapshot_positions(mgr, "a") == [24]
+    assert parked(mgr, "a")[0] == 24

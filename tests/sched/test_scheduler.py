@@ -142,6 +142,57 @@ def test_a_sibling_waits_for_the_first_completion_then_resumes_from_its_prompt()
     mgr.check_integrity()
 
 
+def test_a_fresh_prompt_samples_in_its_first_step_with_caching_on_as_off() -> None:
+    """Snapshots are taken inside the forward: no chunk is cut for them (issue 12)."""
+    outs = {}
+    for caching in (True, False):
+        mgr = make_manager(num_chunks=8, caching=caching)
+        sched = scheduler(mgr)
+        sched.add(seq("a", 13))
+        outs[caching] = run_step(sched)
+        assert work(outs[caching]) == [("a", 0, 13)]
+        assert outs[caching].chunks[0].samples
+        assert sched.running[0].num_outputs == 1
+        mgr.check_integrity()
+    snapshots = outs[True].chunks[0].allocation.snapshots
+    assert [s.position for s in snapshots] == [12]  # the prompt end, inside the chunk
+    assert outs[False].chunks[0].allocation.snapshots == ()
+
+
+def test_the_second_request_behind_a_shared_prefix_takes_its_branch_point_in_one_step() -> None:
+    mgr = make_manager(num_chunks=16)
+    sched = scheduler(mgr)
+    system = tokens(12, start=1000)
+    a, b, c = seq("a", 5), seq("b", 6), seq("c", 3)
+    for s in (a, b, c):
+        s.prompt_token_ids = system + s.prompt_token_ids
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)  # a is decoding: its prompt is cached, its state at 12 is not
+    out = run_step(sched)
+    [b_chunk] = [ch for ch in out.chunks if ch.seq is b]
+    assert (b_chunk.start, b_chunk.num_tokens, b_chunk.samples) == (0, 18, True)
+    assert [s.position for s in b_chunk.allocation.snapshots] == [12, 16]
+    sched.add(c)
+    out = run_step(sched)
+    [c_chunk] = [ch for ch in out.chunks if ch.seq is c]
+    assert (c_chunk.start, c.num_cached_tokens) == (12, 12)  # the third hits it
+    mgr.check_integrity()
+
+
+def test_split_mode_takes_one_more_step_to_the_first_token() -> None:
+    """``split_prefill_at_snapshots`` (the engine before in-forward captures): the prompt
+    end cuts the prefill, so the first token comes a step later."""
+    mgr = make_manager(num_chunks=8, split=True)
+    sched = scheduler(mgr)
+    sched.add(seq("a", 13))
+    out = run_step(sched)
+    assert work(out) == [("a", 0, 12)] and not out.chunks[0].samples
+    assert work(run_step(sched)) == [("a", 12, 1)]
+    assert sched.running[0].num_outputs == 1
+    mgr.check_integrity()
+
+
 def test_finish_frees_the_pages_of_running_and_forgets_waiting_sequences() -> None:
     mgr = make_manager(num_chunks=8, caching=False)
     sched = scheduler(mgr, max_num_seqs=1)

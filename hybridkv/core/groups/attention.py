@@ -1,4 +1,11 @@
-"""Full attention: one page per ``block_tokens`` tokens; a hit is the longest chain."""
+"""Full attention: one page per ``block_tokens`` tokens; a hit is the longest chain.
+
+The group also remembers, for every cached page, the hash of the block before it (its
+parent), so :meth:`AttentionGroup.has_cached_child` can tell whether some cached
+sequence continues past a prefix: that is what makes the prefix's end a branch point
+rather than the end of one sequence (docs/architecture.md §3). The index is keyed by
+page, so it never outgrows the pool.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ class AttentionGroup(GroupManager):
         super().__init__(group, allocator, config)
         self.tables: dict[ReqId, list[PageId]] = {}
         self._num_cached_blocks: dict[ReqId, int] = {}
+        self._parent: dict[PageId, BlockHash] = {}  # cached page → hash of the block before
+        self._children: dict[BlockHash, set[PageId]] = {}  # the reverse (may hold stale pages)
 
     def longest_hit(self, hashes: Sequence[BlockHash], max_tokens: int) -> int:
         num_blocks = 0
@@ -58,9 +67,28 @@ class AttentionGroup(GroupManager):
         table, hashes = self.tables[req_id], req.hashes
         num_full = min(req.num_computed // self.block_tokens, len(hashes), len(table))
         for i in range(self._num_cached_blocks[req_id], num_full):
-            if table[i] != NULL_PAGE:
-                self.pool.cache(table[i], hashes[i], saved_tokens=self.block_tokens)
+            if table[i] == NULL_PAGE:
+                continue
+            if self.pool.cache(table[i], hashes[i], saved_tokens=self.block_tokens) and i:
+                self._link(table[i], hashes[i - 1])
         self._num_cached_blocks[req_id] = max(self._num_cached_blocks[req_id], num_full)
+
+    def _link(self, page: PageId, parent: BlockHash) -> None:
+        old = self._parent.get(page)
+        if old is not None:
+            siblings = self._children[old]
+            siblings.discard(page)
+            if not siblings:
+                del self._children[old]
+        self._parent[page] = parent
+        self._children.setdefault(parent, set()).add(page)
+
+    def has_cached_child(self, parent: BlockHash) -> bool:
+        """Whether a block whose parent is ``parent`` is cached. Read-only."""
+        return any(
+            self.pool.hash_of(page) is not None and self._parent[page] == parent
+            for page in self._children.get(parent, ())
+        )
 
     def free(self, req_id: ReqId) -> None:
         # Tail first: the LRU queue then evicts a prefix's deepest blocks before its root.

@@ -27,6 +27,10 @@ class CachedRequest:
     num_computed: int = 0
     num_cached_tokens: int = 0
     started: bool = False
+    # where the prompt's shared prefix ends, when no snapshot covered it at admission
+    # (0: none); a snapshot is taken there during the prefill (CheckpointPolicy)
+    branch_tokens: int = 0
+    num_inflight_blocks: int = 0  # prompt blocks counted in the manager's in-flight set
 
 
 class GroupManager(ABC):

@@ -9,8 +9,10 @@ Life of a snapshot::
 
     reserve_snapshot   page taken before the step (may fail: snapshots are optional);
                        with ``reuse``, the page of the request's newest snapshot when
-                       retention would drop that one anyway (rewritten in place)
-    (runner copies live -> page after the forward)
+                       retention would drop that one anyway (rewritten in place); a step
+                       may reserve several positions (each block boundary due in its chunk)
+    (the runner has the state after exactly L tokens written into the page during the
+     forward, or copies the live page after it when L is the chunk's end)
     cache              page published under hash[L / block - 1], held by the request
     retention          superseded snapshots the policy does not keep are dropped at once;
                        kept ones are released to the cache (``release``) or stay held
@@ -37,13 +39,32 @@ from hybridkv.core.spec import GroupSpec
 
 
 @dataclass(slots=True)
+class _Pending:
+    """A snapshot reserved for this step, published by the next :meth:`RecurrentGroup.cache`."""
+
+    position: int
+    page: PageId
+    generated: bool  # covers sampled tokens
+    recycled: tuple[int, BlockHash] | None = None  # the snapshot whose page this reuses
+    was_parked: bool = False  # the recycled snapshot was parked, not held
+
+
+@dataclass(frozen=True, slots=True)
+class _Parked:
+    """The request's newest snapshot, released to the cache while the request runs."""
+
+    position: int
+    page: PageId
+    block_hash: BlockHash
+
+
+@dataclass(slots=True)
 class _ReqState:
     live: PageId | None = None
     snapshots: dict[int, PageId] = field(default_factory=dict)  # position → page
     created: set[int] = field(default_factory=set)  # positions this request snapshotted
-    pending: tuple[int, PageId] | None = None  # (position, page) to publish after the step
-    recycled: tuple[int, BlockHash] | None = None  # the snapshot pending's page held before
-    pending_generated: bool = False  # the pending snapshot covers sampled tokens
+    pending: list[_Pending] = field(default_factory=list)  # ascending positions
+    parked: _Parked | None = None  # its newest snapshot, not held (release_newest)
 
 
 class RecurrentGroup(GroupManager):
@@ -113,66 +134,97 @@ class RecurrentGroup(GroupManager):
         reusable: Callable[[int], bool] | None = None,
         generated: bool = False,
     ) -> PageId | None:
-        """A page for the snapshot the runner takes after this step, or None if none fits.
+        """A page for the state after ``position`` tokens in this step, or None if none fits.
 
         ``reusable(q)``: the request's newest snapshot at q may be overwritten, because
         retention drops it once a newer one exists. Its page is then taken back (its hash
         forgotten at once: from now on it may hold the new state) instead of a new page,
-        so a decode boundary costs a copy but no allocation and no eviction.
+        so a decode boundary costs a copy but no allocation and no eviction. Only the
+        first reservation of a step may reuse a page.
         """
         state = self.reqs[req_id]
-        if state.pending is not None or position in state.snapshots:
+        if position in state.snapshots or any(p.position == position for p in state.pending):
             return None
+        if reusable is not None and not state.pending:
+            page = self._reuse_newest(state, position, reusable, generated)
+            if page is not None:
+                return page
+        pages = self._allocate_pages(1)
+        if pages is None:
+            return None
+        state.pending.append(_Pending(position, pages[0], generated))
+        return pages[0]
+
+    def _reuse_newest(
+        self, state: _ReqState, position: int, reusable: Callable[[int], bool], generated: bool
+    ) -> PageId | None:
+        """Take back the page of the request's newest snapshot for ``position`` (its hash
+        is forgotten), if retention drops that snapshot anyway and nobody resumed from it."""
+        parked = state.parked if self._is_parked(state) else None
         previous = max(state.created, default=None)
-        if (
-            reusable is not None
-            and previous is not None
+        if parked is not None:
+            if not (
+                parked.position < position
+                and reusable(parked.position)
+                and self.pool.ref_count(parked.page) == 0
+            ):
+                return None
+            page, previous = parked.page, parked.position
+            self.pool.touch(page, self.allocator.clock)
+            state.parked = None
+        elif (
+            previous is not None
             and previous < position
             and reusable(previous)
             and self.pool.ref_count(state.snapshots[previous]) == 1  # nobody resumed from it
         ):
             page = state.snapshots.pop(previous)
             state.created.discard(previous)
-            block_hash = self.pool.hash_of(page)
-            assert block_hash is not None
-            self.pool.uncache(page)
-            state.recycled = (previous, block_hash)
-            state.pending = (position, page)
-            state.pending_generated = generated
-            self.num_snapshots_dropped += 1
-            return page
-        pages = self._allocate_pages(1)
-        if pages is None:
+        else:
             return None
-        state.pending = (position, pages[0])
-        state.pending_generated = generated
-        return pages[0]
+        block_hash = self.pool.hash_of(page)
+        assert block_hash is not None
+        self.pool.uncache(page)
+        recycled = (previous, block_hash)
+        state.pending.append(_Pending(position, page, generated, recycled, parked is not None))
+        self.num_snapshots_dropped += 1
+        return page
 
-    def cancel_snapshot(self, req_id: ReqId) -> None:
-        """Undo :meth:`reserve_snapshot` (the copy has not run): a reused page is re-cached."""
+    def _is_parked(self, state: _ReqState) -> bool:
+        """The parked snapshot is still cached under its hash (not evicted since)."""
+        parked = state.parked
+        return parked is not None and self.pool.hash_of(parked.page) == parked.block_hash
+
+    def cancel_snapshot(self, req_id: ReqId, position: int) -> None:
+        """Undo :meth:`reserve_snapshot` at ``position`` (no copy has run): a reused page
+        is re-cached."""
         state = self.reqs[req_id]
-        if state.pending is None:
+        found = [p for p in state.pending if p.position == position]
+        if not found:
             return
-        page = state.pending[1]
-        state.pending = None
-        if state.recycled is not None:
-            previous, block_hash = state.recycled
-            state.recycled = None
-            cached = self.pool.cache(page, block_hash, saved_tokens=previous)
+        pending = found[0]
+        state.pending.remove(pending)
+        if pending.recycled is not None:
+            previous, block_hash = pending.recycled
+            cached = self.pool.cache(pending.page, block_hash, saved_tokens=previous)
             assert cached, "the hash of a reused snapshot cannot be taken while it is pending"
-            state.snapshots[previous] = page
-            state.created.add(previous)
             self.num_snapshots_dropped -= 1
+            if pending.was_parked:
+                self.pool.release(pending.page, self.allocator.clock, demote=True)
+                state.parked = _Parked(previous, pending.page, block_hash)
+                return
+            state.snapshots[previous] = pending.page
+            state.created.add(previous)
             return
-        self.pool.release(page, self.allocator.clock)
+        self.pool.release(pending.page, self.allocator.clock)
 
     def cache(self, req_id: ReqId, req: CachedRequest) -> None:
-        """Publish the snapshot the step took (if it is due), then apply retention."""
+        """Publish the snapshots the step took, then apply retention."""
         self._publish_pending(req_id, req.hashes, req.num_computed)
         policy, block_tokens = self.policy, self.block_tokens
 
         def keep(position: int) -> bool:
-            return policy.keep(position, req.prompt_len, block_tokens)
+            return policy.keep(position, req.prompt_len, block_tokens, req.branch_tokens)
 
         self.apply_retention(
             req_id,
@@ -180,28 +232,51 @@ class RecurrentGroup(GroupManager):
             policy.release_superseded,
             policy.demote_superseded,
             policy.release_generated_hit,
+            shared=req.branch_tokens,
         )
+        if policy.release_newest:
+            self.park_newest(req_id)
+
+    def park_newest(self, req_id: ReqId) -> None:
+        """Release the request's newest snapshot to the cache ("park" it) at its recency.
+
+        A running request then pins only its live state: under pressure its newest
+        snapshot can be evicted like any cached page (LRU; it is refreshed at every
+        boundary, when its page is rewritten in place if it is still cached), where a
+        held one would have kept a new request out or pushed a finished request's turn
+        end out of the cache. :meth:`free` moves it to the back of the queue, where the
+        request's next turn finds it.
+        """
+        state = self.reqs[req_id]
+        if not state.created:
+            return
+        position = max(state.created)
+        page = state.snapshots.pop(position)
+        state.created.discard(position)
+        block_hash = self.pool.hash_of(page)
+        assert block_hash is not None
+        self.pool.release(page, self.allocator.clock)
+        state.parked = _Parked(position, page, block_hash)
 
     def _publish_pending(
         self, req_id: ReqId, hashes: Sequence[BlockHash], num_computed: int
     ) -> None:
         state = self.reqs[req_id]
-        if state.pending is None or state.pending[0] > num_computed:
-            return
-        position, page = state.pending
-        state.pending = None
-        state.recycled = None
-        block_hash = hashes[position // self.block_tokens - 1]
-        if self.pool.cache(page, block_hash, saved_tokens=position):
-            state.snapshots[position] = page
-            state.created.add(position)
-            self.num_snapshots_taken += 1
-            if state.pending_generated:
-                self._generated[page] = block_hash
-            else:
-                self._generated.pop(page, None)
-        else:  # another request published the same prefix first
-            self.pool.release(page, self.allocator.clock)
+        due = [p for p in state.pending if p.position <= num_computed]
+        state.pending = [p for p in state.pending if p.position > num_computed]
+        for pending in due:
+            position, page = pending.position, pending.page
+            block_hash = hashes[position // self.block_tokens - 1]
+            if self.pool.cache(page, block_hash, saved_tokens=position):
+                state.snapshots[position] = page
+                state.created.add(position)
+                self.num_snapshots_taken += 1
+                if pending.generated:
+                    self._generated[page] = block_hash
+                else:
+                    self._generated.pop(page, None)
+            else:  # another request published the same prefix first
+                self.pool.release(page, self.allocator.clock)
 
     def apply_retention(
         self,
@@ -210,6 +285,7 @@ class RecurrentGroup(GroupManager):
         release: bool = False,
         demote: bool = False,
         release_generated_hit: bool = False,
+        shared: int = 0,
     ) -> None:
         """Drop this request's superseded snapshots that ``keep`` rejects (the newest stays).
 
@@ -222,6 +298,8 @@ class RecurrentGroup(GroupManager):
         which this request now supersedes. A hit on a prompt snapshot is held until the
         request ends: prompt snapshots are the ones shared (system prompts), and running
         requests that hold one keep it from being evicted between their arrivals.
+        ``shared``: the request's branch point; released there, it is never demoted (other
+        requests are expected to resume from it).
         """
         state = self.reqs[req_id]
         clock = self.allocator.clock
@@ -231,6 +309,8 @@ class RecurrentGroup(GroupManager):
                 if self.is_generated(page):
                     del state.snapshots[position]
                     self.pool.release(page, clock, demote and self.pool.ref_count(page) == 1)
+        if state.parked is not None and state.created:
+            self._supersede_parked(state, keep, demote, shared)
         if len(state.created) < 2:
             return
         newest = max(state.created)
@@ -241,7 +321,8 @@ class RecurrentGroup(GroupManager):
                 if release:
                     page = state.snapshots.pop(position)
                     state.created.discard(position)
-                    self.pool.release(page, clock, demote and self.pool.ref_count(page) == 1)
+                    front = demote and position != shared and self.pool.ref_count(page) == 1
+                    self.pool.release(page, clock, front)
                 continue
             page = state.snapshots.pop(position)
             state.created.discard(position)
@@ -250,13 +331,35 @@ class RecurrentGroup(GroupManager):
             self.pool.release(page, clock)
             self.num_snapshots_dropped += 1
 
+    def _supersede_parked(
+        self, state: _ReqState, keep: Callable[[int], bool], demote: bool, shared: int
+    ) -> None:
+        """A newer snapshot exists: the parked one stays cached if ``keep`` accepts it
+        (at the front of the queue with ``demote``, unless it is the branch point ``shared``),
+        else it is dropped."""
+        parked, state.parked = state.parked, None
+        assert parked is not None
+        if self.pool.hash_of(parked.page) != parked.block_hash:
+            return  # evicted since
+        if self.pool.ref_count(parked.page):
+            return  # another request resumed from it: it decides
+        if keep(parked.position):
+            if demote and parked.position != shared:
+                self.pool.demote(parked.page)
+            return
+        self.pool.uncache(parked.page)
+        self.num_snapshots_dropped += 1
+
     def free(self, req_id: ReqId) -> None:
         state = self.reqs.pop(req_id, None)
         if state is None:
             return
         clock = self.allocator.clock
-        if state.pending is not None:
-            self.pool.release(state.pending[1], clock)
+        if self._is_parked(state) and self.pool.ref_count(state.parked.page) == 0:
+            self.pool.touch(state.parked.page, clock)  # to the back: the next turn's start
+            self.pool.release(state.parked.page, clock)
+        for pending in state.pending:
+            self.pool.release(pending.page, clock)
         for position in sorted(state.snapshots):  # deeper snapshots end newer in the LRU
             self.pool.release(state.snapshots[position], clock)
         if state.live is not None:
@@ -267,7 +370,7 @@ class RecurrentGroup(GroupManager):
         for state in self.reqs.values():
             pages = list(state.snapshots.values())
             pages += [p for p in (state.live,) if p is not None]
-            pages += [state.pending[1]] if state.pending else []
+            pages += [p.page for p in state.pending]
             for page in pages:
                 held[page] = held.get(page, 0) + 1
             assert state.created <= set(state.snapshots)

@@ -1,0 +1,185 @@
+"""Branch points (Marconi's speculative insertion), several snapshots per chunk, parking.
+
+The core's tiny hybrid model at block 4 (tests/core/core_factories.py). A "system prompt"
+of 12 tokens (3 blocks) is shared by prompts that continue differently after it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from core_factories import (
+    BLOCK,
+    cached_snapshot_positions,
+    decode,
+    make_manager,
+    parked,
+    prefill,
+    tokens,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hybridkv.core.checkpoint import CheckpointPolicy
+from hybridkv.core.ids import ReqId
+
+A, B, C, D = ReqId("a"), ReqId("b"), ReqId("c"), ReqId("d")
+STATE = 1
+SYSTEM = tokens(12, start=1000)
+
+
+def branch_of(mgr: object, req: ReqId) -> int:
+    return mgr._reqs[req].branch_tokens  # type: ignore[attr-defined]
+
+
+def test_second_request_behind_a_shared_prefix_snapshots_it_and_the_third_hits() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, SYSTEM + tokens(5, start=500))
+    prefill(mgr, "a", 17)  # the first: only its prompt end (16) is snapshotted
+    assert cached_snapshot_positions(mgr, SYSTEM) == []
+    mgr.free(A)
+    mgr.add_request(B, SYSTEM + tokens(6, start=600))
+    assert mgr.find_hit(B).num_tokens == 0  # the KV is cached, its state is not
+    allocs = prefill(mgr, "b", 18)
+    assert branch_of(mgr, B) == 12
+    assert len(allocs) == 1  # one chunk: the branch and the prompt end inside it
+    assert [s.position for s in allocs[0].snapshots] == [12, 16]
+    assert cached_snapshot_positions(mgr, SYSTEM) == [12]
+    mgr.add_request(C, SYSTEM + tokens(3, start=700))
+    assert mgr.find_hit(C).num_tokens == 12  # the third and later hit it
+    prefill(mgr, "c", 15)
+    assert branch_of(mgr, C) == 0  # its hit reaches the branch: nothing more to take
+    mgr.check_integrity()
+
+
+def test_a_prefix_still_being_computed_counts_as_shared() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, SYSTEM + tokens(5, start=500))
+    assert mgr.allocate(A, 17, mgr.find_hit(A)) is not None  # running, nothing committed
+    mgr.add_request(B, SYSTEM + tokens(6, start=600))
+    alloc = mgr.allocate(B, 18, mgr.find_hit(B))
+    assert alloc is not None
+    assert branch_of(mgr, B) == 12
+    assert 12 in [s.position for s in alloc.snapshots]
+    mgr.commit(A, 17)
+    mgr.commit(B, 18)
+    mgr.free(A)
+    mgr.free(B)
+    assert mgr._inflight == {} and mgr._inflight_parents == {}
+    mgr.check_integrity()
+
+
+def test_the_next_turn_of_a_sequence_is_not_a_branch() -> None:
+    """Its shared prefix ends where the previous turn ended: nothing continues past it,
+    so even with that turn's snapshot gone, no snapshot is taken there (Marconi: no new
+    branch-off node when a sequence extends a leaf)."""
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(10))
+    prefill(mgr, "a", 10, sampled=100)
+    decode(mgr, "a", tokens(6, start=101))  # 16 computed
+    mgr.free(A)
+    pool = mgr.recurrent[0].pool
+    for page in pool.cached_pages_oldest_first():
+        pool.uncache(page)  # every snapshot evicted, the KV stays
+    turn2 = tokens(10) + tokens(7, start=100) + tokens(6, start=900)
+    mgr.add_request(B, turn2)
+    assert mgr.find_hit(B).num_tokens == 0
+    prefill(mgr, "b", len(turn2))
+    assert branch_of(mgr, B) == 0
+    mgr.check_integrity()
+
+
+def test_branch_points_can_be_turned_off() -> None:
+    mgr = make_manager(num_chunks=16, checkpoint=CheckpointPolicy(at_branch_points=False))
+    mgr.add_request(A, SYSTEM + tokens(5, start=500))
+    prefill(mgr, "a", 17)
+    mgr.free(A)
+    mgr.add_request(B, SYSTEM + tokens(6, start=600))
+    assert [s.position for s in prefill(mgr, "b", 18)[0].snapshots] == [16]
+
+
+def test_split_mode_cuts_the_first_chunk_at_the_branch_point() -> None:
+    mgr = make_manager(num_chunks=16, split=True)
+    mgr.add_request(A, SYSTEM + tokens(5, start=500))
+    prefill(mgr, "a", 17)
+    mgr.free(A)
+    mgr.add_request(B, SYSTEM + tokens(6, start=600))
+    assert mgr.next_split(B, 0, 18) == 12  # found before the first allocation
+    allocs = prefill(mgr, "b", 18)
+    assert [[s.position for s in a.snapshots] for a in allocs] == [[12], [16], []]
+
+
+def test_a_superseded_branch_keeps_its_place_and_a_prompt_end_is_demoted() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, SYSTEM + tokens(5, start=500))
+    prefill(mgr, "a", 17)
+    mgr.free(A)
+    mgr.add_request(B, SYSTEM + tokens(6, start=600))
+    prefill(mgr, "b", 18, sampled=100)
+    pool = mgr.recurrent[0].pool
+    hashes = mgr._reqs[B].hashes
+    branch, prompt_end = pool.lookup(hashes[2]), pool.lookup(hashes[3])
+    decode(mgr, "b", tokens(2, start=101))  # 20 computed: a new snapshot supersedes 16
+    queue = pool.cached_pages_oldest_first()
+    assert queue[0] == prompt_end  # the prompt end goes first
+    assert queue.index(branch) > queue.index(prompt_end)
+    assert parked(mgr, "b")[0] == 20
+    mgr.check_integrity()
+
+
+def test_a_parked_snapshot_moves_to_the_back_when_its_request_ends() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(9))
+    prefill(mgr, "a", 9, sampled=100)  # parks its prompt end (8)
+    page = parked(mgr, "a")[1]
+    mgr.add_request(B, tokens(9, start=300))
+    prefill(mgr, "b", 9)
+    mgr.free(B)  # b's pages are cached after a's parked one
+    pool = mgr.recurrent[0].pool
+    assert pool.cached_pages_oldest_first()[0] == page
+    mgr.free(A)
+    assert pool.cached_pages_oldest_first()[-1] == page  # where a's next turn finds it
+    mgr.check_integrity()
+
+
+def test_a_parked_snapshot_evicted_while_running_is_taken_again() -> None:
+    mgr = make_manager(num_chunks=16)
+    mgr.add_request(A, tokens(6))
+    prefill(mgr, "a", 6, sampled=100)
+    decode(mgr, "a", tokens(3, start=101))  # newest at 8, parked
+    _, page = parked(mgr, "a")
+    mgr.recurrent[0].pool.uncache(page)  # what an eviction does to it
+    assert parked(mgr, "a") is None
+    allocs = decode(mgr, "a", tokens(4, start=104))  # computes 9 .. 12
+    assert [s.position for a in allocs for s in a.snapshots] == [12]  # into a fresh page
+    assert parked(mgr, "a")[0] == 12
+    mgr.free(A)
+    assert mgr.allocator.pools[STATE].num_used_pages == 0
+    mgr.check_integrity()
+
+
+POLICIES = [
+    CheckpointPolicy(),
+    CheckpointPolicy(interval_tokens=2 * BLOCK),
+    CheckpointPolicy(decode_interval_tokens=3 * BLOCK, at_prompt_end=False),
+    CheckpointPolicy(at_sequence_end=False),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=range(len(POLICIES)))
+@given(
+    start=st.integers(0, 60),
+    length=st.integers(1, 40),
+    prompt_len=st.integers(1, 60),
+    branch_blocks=st.integers(0, 15),
+)
+def test_positions_are_the_checkpoints_of_the_range(
+    policy: CheckpointPolicy, start: int, length: int, prompt_len: int, branch_blocks: int
+) -> None:
+    branch = branch_blocks * BLOCK
+    end = start + length
+    expected = [
+        p
+        for p in range(start + 1, end + 1)
+        if policy.is_checkpoint(p, prompt_len, BLOCK) or (p == branch and p > 0)
+    ]
+    assert policy.positions(start, end, prompt_len, BLOCK, branch) == expected
