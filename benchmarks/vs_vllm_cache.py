@@ -27,6 +27,10 @@ every driver and simulator output, a summary) goes to ``--data-dir`` (default
 ../anchors-data/vs_vllm_cache/<time>), never into the checkout.
 
 Usage: ``python benchmarks/vs_vllm_cache.py [--seeds 7 8] [--designs hybridkv ...]``.
+``--vllm-from <an earlier run's raw JSON directory>`` reuses that run's vLLM outputs for
+every cell whose trace is the same (every request and generator parameter) and batching
+the same (vLLM's figures are deterministic given those), so a change of hybridkv is
+measured in minutes.
 """
 
 from __future__ import annotations
@@ -105,6 +109,7 @@ class Setup:
     config: Path
     designs: tuple[str, ...]
     batching: tuple[str, ...]  # the same limits for both: --max-num-seqs N ...
+    vllm_from: Path | None = None  # an earlier run whose vLLM outputs may be reused
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -134,6 +139,10 @@ def run_vllm(setup: Setup, cell: Cell, mode: str) -> dict[str, Any]:
     """vLLM's KVCacheManager on ``cell``'s trace; the driver's JSON (also kept on disk)."""
     assert setup.vllm_python is not None
     stem = f"vllm-{cell.name}-{mode}"
+    reused = reusable_vllm_run(setup, cell, stem)
+    if reused is not None:
+        (setup.out / f"{stem}.json").write_text(reused)
+        return json.loads(reused)
     cmd = [
         setup.vllm_python,
         setup.anchors / "vllm_driver.py",
@@ -147,6 +156,30 @@ def run_vllm(setup: Setup, cell: Cell, mode: str) -> dict[str, Any]:
     stdout = run_logged(cmd, setup.out / f"{stem}.log", env=peer_env())
     (setup.out / f"{stem}.json").write_text(stdout)
     return json.loads(stdout)
+
+
+def reusable_vllm_run(setup: Setup, cell: Cell, stem: str) -> str | None:
+    """The driver's JSON for ``stem`` from the ``--vllm-from`` run, if that run had the same
+    trace (every request, and the generator's parameters but its output path) and the same
+    batching limits; vLLM's figures are deterministic given those, so only hybridkv needs
+    to run again after a change of hybridkv."""
+    if setup.vllm_from is None:
+        return None
+    old, trace = setup.vllm_from, f"trace-{cell.shape}-s{cell.seed}.json"
+    if not (old / f"{stem}.json").is_file() or not (old / trace).is_file():
+        return None
+    if _trace_content(old / trace) != _trace_content(setup.out / trace):
+        return None
+    args = json.loads((old / "summary.json").read_text())["meta"]["args"]
+    batching = ("--max-num-seqs", str(args["max_num_seqs"]))
+    batching += ("--max-num-batched-tokens", str(args["max_num_batched_tokens"]))
+    return (old / f"{stem}.json").read_text() if batching == setup.batching else None
+
+
+def _trace_content(path: Path) -> dict[str, Any]:
+    trace = json.loads(path.read_text())
+    trace["meta"].pop("out", None)
+    return trace
 
 
 def run_hybridkv(setup: Setup, cell: Cell, num_kv_bytes: int) -> dict[str, float]:
@@ -333,6 +366,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-kv", help="vLLM 0.33 venv or its python ($HYBRIDKV_VLLM_KV)")
     p.add_argument("--anchors-dir", help="shared/anchors ($HYBRIDKV_ANCHORS_DIR)")
     p.add_argument("--data-dir", help="raw JSON goes under here ($HYBRIDKV_ANCHORS_DATA)")
+    p.add_argument(
+        "--vllm-from",
+        help="an earlier run's raw JSON directory: its vLLM outputs are reused for every cell "
+        "whose trace and batching are the same",
+    )
     p.add_argument("--jobs", type=int, default=2, help="runs at once")
     return p.parse_args()
 
@@ -351,9 +389,12 @@ def main() -> None:
         config=make_model_config(anchors, out),
         designs=tuple(args.designs),
         batching=batching,
+        vllm_from=Path(args.vllm_from) if args.vllm_from else None,
     )
     print(f"machine: {machine_line()}")
     print(f"hybridkv {git_head()}; raw JSON in {out}")
+    if setup.vllm_from is not None:
+        print(f"vLLM outputs reused from {setup.vllm_from} where trace and batching are the same")
     if setup.vllm_python is None:
         print(
             "vLLM KV venv not found (--vllm-kv, $HYBRIDKV_VLLM_KV or ../venvs/vllm-kv; "
