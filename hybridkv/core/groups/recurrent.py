@@ -355,9 +355,10 @@ class RecurrentGroup(GroupManager):
         if state is None:
             return
         clock = self.allocator.clock
-        if self._is_parked(state) and self.pool.ref_count(state.parked.page) == 0:
-            self.pool.touch(state.parked.page, clock)  # to the back: the next turn's start
-            self.pool.release(state.parked.page, clock)
+        parked = state.parked if self._is_parked(state) else None
+        if parked is not None and self.pool.ref_count(parked.page) == 0:
+            self.pool.touch(parked.page, clock)  # to the back: the next turn's start
+            self.pool.release(parked.page, clock)
         for pending in state.pending:
             self.pool.release(pending.page, clock)
         for position in sorted(state.snapshots):  # deeper snapshots end newer in the LRU
