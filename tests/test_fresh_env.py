@@ -61,13 +61,21 @@ EXAMPLES: dict[str, Example] = {
     "hybridkv serve": Example(
         None, "builds the demo model first: minutes of training (hybridkv demo's build)"
     ),
-    "hybridkv serve --model path/to/checkpoint --port 8000 --served-model-name my-model "
-    "[--api-key KEY] [--host 127.0.0.1] [engine flags: --max-model-len, --cache-memory-gib, ...]":
-        Example(
-            "hybridkv serve --model path/to/checkpoint --port PORT --served-model-name my-model "
-            "--api-key KEY --host 127.0.0.1 --max-model-len 256 --cache-memory-gib 0.05",
-            "the optional flags given; a free port instead of 8000",
-        ),
+    "hybridkv serve path/to/checkpoint --port 8000 --served-model-name my-model "
+    "--max-model-len 32k --gpu-memory-utilization 0.5 --enable-prefix-caching "
+    "--generation-config auto --chat-template tmpl.jinja --kv-cache-dtype auto "
+    "--trust-remote-code --uvicorn-log-level info --disable-log-requests [--api-key KEY] "
+    "[--host 127.0.0.1] [--tensor-parallel-size 1] [--max-num-batched-tokens N]": Example(
+        "hybridkv serve path/to/checkpoint --port PORT --served-model-name my-model "
+        "--max-model-len 256 --cache-memory-gib 0.05 --enable-prefix-caching "
+        "--generation-config auto --kv-cache-dtype auto --trust-remote-code "
+        "--uvicorn-log-level info --disable-log-requests --api-key KEY --host 127.0.0.1 "
+        "--tensor-parallel-size 1 --max-num-batched-tokens 256",
+        "the optional flags given; a free port instead of 8000; a 0.05 GiB cache and 256 "
+        "tokens for the tiny checkpoint (half the RAM and 32k would only take memory); "
+        "its own chat template (no tmpl.jinja here)",
+    ),
+    "hybridkv serve --help": AS_WRITTEN,
     "hybridkv simulate --model qwen3.5-27b --memory-gib 16 --trace chat": AS_WRITTEN,
     "hybridkv simulate --model qwen3.5-27b --num-kv-bytes 17179869184 --json": AS_WRITTEN,
     "hybridkv simulate --model qwen3.5-27b --memory-gib 16 --sweep --plot s.png": Example(
@@ -189,10 +197,12 @@ def test_documented_example_runs(fresh_env: FreshEnv, tmp_path: Path, documented
 
 def check_generate(words: list[str], out: str) -> None:
     """The fresh environment's completion is the checkout's engine's, token for token."""
-    from hybridkv import LLM, SamplingParams
+    from hybridkv import LLM
 
     llm = LLM(words[words.index("--model") + 1], cache_memory_gib=0.1)
-    (expected,) = llm.generate(words[-1], SamplingParams(max_tokens=64, temperature=0.0))
+    # generate samples as the server does: the generation config's defaults, else vLLM's
+    params = llm.engine.default_sampling_params(max_tokens=64)
+    (expected,) = llm.generate(words[-1], params)
     assert out == expected.outputs[0].text + "\n"
 
 

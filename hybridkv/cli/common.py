@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hybridkv.cli.engine_args import engine_config_from_args
+from hybridkv.cli.engine_args import engine_config_from_args, model_arg
 
 if TYPE_CHECKING:
     from hybridkv.engine import LLMEngine
@@ -69,7 +69,7 @@ def build_engine(args: argparse.Namespace) -> LLMEngine:
     Raises:
         ValueError: a bad flag value, or a checkpoint that cannot be loaded.
     """
-    model = model_or_demo(args.model)
+    model = model_or_demo(model_arg(args))
     try:
         config = engine_config_from_args(args, model=model)
     except ValueError as exc:

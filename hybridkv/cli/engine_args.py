@@ -1,74 +1,55 @@
-"""Engine options on the command line, shared by ``serve``, ``generate`` and ``bench``.
+"""Engine options on the command line, shared by ``serve``, ``generate``, ``bench``, ``demo``.
 
-One flag per :class:`hybridkv.engine.config.EngineConfig` field, same names with dashes,
-same defaults, so the CLI, the server and the Python API never drift apart.
+The flags are generated from :class:`hybridkv.engine.config.EngineConfig`
+(:mod:`hybridkv.cli.config_args`): same names with dashes, same defaults, the field's
+docstring line as help, so the CLI, the server and ``LLM(**options)`` never drift apart.
+``serve`` takes the model as a positional argument, as ``vllm serve MODEL`` does.
 """
 
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
 from typing import Any
 
-from hybridkv.engine.config import (
-    DEFAULT_CACHE_MEMORY_GIB,
-    DTYPES,
-    EVICTION_POLICIES,
-    EngineConfig,
+from hybridkv.cli.config_args import add_config_args, config_values
+from hybridkv.engine.config import EngineConfig
+
+MODEL_HELP = (
+    "checkpoint directory (config.json, *.safetensors, tokenizer.json); none: the demo model"
 )
 
 
-def add_engine_args(parser: argparse.ArgumentParser, *, model_required: bool = True) -> None:
+def add_engine_args(
+    parser: argparse.ArgumentParser, *, model_required: bool = True, positional_model: bool = False
+) -> None:
+    """The engine flags; the model as ``--model DIR`` or, with ``positional_model``, ``MODEL``."""
     group = parser.add_argument_group("engine")
-    group.add_argument(
-        "--model",
-        required=model_required,
-        default=None,
-        help="checkpoint directory (config.json, *.safetensors, tokenizer.json)",
-    )
-    group.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
-    group.add_argument("--max-num-seqs", type=int, default=64, help="running sequences at most")
-    group.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="tokens per step at most"
-    )
-    group.add_argument(
-        "--cache-memory-gib",
-        type=float,
-        default=DEFAULT_CACHE_MEMORY_GIB,
-        help=f"arena for KV and state pages (default {DEFAULT_CACHE_MEMORY_GIB})",
-    )
-    group.add_argument("--block-size", type=int, default=16, help="tokens per attention page")
-    group.add_argument(
-        "--no-prefix-caching",
-        dest="enable_prefix_caching",
-        action="store_false",
-        help="turn the prefix cache (KV pages and state snapshots) off",
-    )
-    group.add_argument("--dtype", choices=DTYPES, default="auto")
-    group.add_argument("--device", default="cpu", help="torch device (cpu, cuda, ...)")
-    group.add_argument("--eviction", choices=sorted(EVICTION_POLICIES), default="lru")
-    group.add_argument(
-        "--checkpoint-interval",
-        type=int,
-        default=None,
-        help="also snapshot recurrent states every N tokens (a multiple of the block size)",
-    )
-    group.add_argument(
-        "--retention-interval",
-        type=int,
-        default=None,
-        help="keep superseded snapshots only on multiples of N tokens",
-    )
-    group.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
+    if positional_model:
+        parser.add_argument("model", nargs="?", default=None, metavar="MODEL", help=MODEL_HELP)
+        group.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    else:
+        group.add_argument("--model", required=model_required, default=None, help=MODEL_HELP)
+    add_config_args(group, EngineConfig, skip=("model",))
+
+
+def model_arg(args: argparse.Namespace) -> str | None:
+    """The model the user named: ``MODEL`` or ``--model`` (vLLM accepts both for serve).
+
+    Raises:
+        ValueError: both given, and different.
+    """
+    flag = getattr(args, "model_flag", None)
+    if flag is not None and args.model is not None and flag != args.model:
+        raise ValueError(f"MODEL {args.model} and --model {flag} disagree: give one")
+    return args.model if args.model is not None else flag
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-    """The EngineConfig the parsed flags describe (``overrides`` win, e.g. a default model).
+    """The EngineConfig the parsed flags describe (``overrides`` win, e.g. the model).
 
     Raises:
         ValueError: a flag value EngineConfig rejects (the message names it).
     """
-    names = {f.name for f in fields(EngineConfig)}
-    values = {k: v for k, v in vars(args).items() if k in names}
+    values = config_values(EngineConfig, args)
     values.update(overrides)
     return EngineConfig(**values)

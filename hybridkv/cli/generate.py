@@ -30,12 +30,16 @@ def add_generate_parser(commands: Any) -> None:
         "terminal. Without --model, the embedded demo model is used (built on first use).",
     )
     add_engine_args(p, model_required=False)
-    sampling = p.add_argument_group("sampling")
+    sampling = p.add_argument_group(
+        "sampling",
+        "unset fields take the model's generation_config.json defaults, else vLLM's "
+        "(temperature 1.0: --temperature 0 for greedy)",
+    )
     sampling.add_argument("--max-tokens", type=int, default=64, help="tokens per completion")
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
-    sampling.add_argument("--top-k", type=int, default=0, help="keep the k likeliest (0: all)")
-    sampling.add_argument("--min-p", type=float, default=0.0, help="relative probability floor")
+    sampling.add_argument("--temperature", type=float, default=None, help="0 is greedy")
+    sampling.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    sampling.add_argument("--top-k", type=int, default=None, help="keep the k likeliest (0: all)")
+    sampling.add_argument("--min-p", type=float, default=None, help="relative probability floor")
     sampling.add_argument(
         "--stop", action="append", default=None, metavar="TEXT", help="stop string (repeatable)"
     )
@@ -46,29 +50,37 @@ def add_generate_parser(commands: Any) -> None:
     p.set_defaults(run=run_generate)
 
 
-def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
-    """Raises ValueError naming the bad flag's field (before any model is loaded)."""
+def sampling_fields_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling fields given on the command line, checked.
+
+    Raises:
+        ValueError: naming the bad flag (before any model is loaded).
+    """
     from hybridkv.engine import SamplingParams
 
+    given = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "min_p": args.min_p,
+        "stop": args.stop,
+        "ignore_eos": args.ignore_eos,
+    }
+    fields = {k: v for k, v in given.items() if v is not None}
     try:
-        return SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-        )
+        SamplingParams(**fields)
     except ValueError as exc:
         raise flag_error(exc, args) from None
+    return fields
 
 
 def run_generate(args: argparse.Namespace) -> int:
     if any(not p for p in args.prompts):
         raise ValueError("a PROMPT is empty")
-    params = sampling_params_from_args(args)
+    fields = sampling_fields_from_args(args)
     engine = build_engine(args)
+    params = engine.default_sampling_params(**fields)
     prompts: list[PromptType] = list(args.prompts)
     if args.chat:
         prompts = chat_prompts(engine, args.prompts, args.system)

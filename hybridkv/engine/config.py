@@ -1,9 +1,23 @@
-"""EngineConfig: every engine option in one validated place (the CLI and server reuse it)."""
+"""EngineConfig: every engine option in one validated place, under vLLM's names.
+
+The command line and ``LLM(**options)`` are generated from this dataclass
+(:mod:`hybridkv.cli.config_args`): a field is a flag ``--field-name`` with the field's
+default, its line of the ``Attributes`` section below as help, and what its metadata adds
+(``choices``, ``aliases``, a ``parse`` function for the flag's text, ``cli=False`` to keep
+it off the command line). A new field therefore gets its flag without touching the CLI.
+
+vLLM's names are the primary ones where the meaning is the same (``max_model_len``,
+``gpu_memory_utilization``, ``enable_prefix_caching``, ``kv_cache_dtype``,
+``generation_config``, ``chat_template``, ...); options vLLM has no word for keep ours
+(``cache_memory_gib``, ``eviction``, ``checkpoint_interval``).
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
+from typing import Any
 
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.eviction import EvictionPolicy
@@ -12,7 +26,40 @@ from hybridkv.core.units import GIB
 DEFAULT_CACHE_MEMORY_GIB = 2.0  # vLLM's CPU backend reserves 4 GiB; our test models are tiny
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's --dtype accepts these too
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MAMBA_CACHE_MODES = ("align", "none")  # vLLM's; "align" is how every snapshot here is taken
 EVICTION_POLICIES = {"lru": EvictionPolicy.LRU, "cost": EvictionPolicy.COST}
+GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a path
+
+
+def human_readable_int(text: str) -> int:
+    """vLLM's integer flags: ``32k`` is 32,000, ``32K`` is 32,768, ``25.6k`` is 25,600.
+
+    Raises:
+        ValueError: not an integer, or a decimal with a binary suffix (``1.5K``).
+    """
+    text = text.strip()
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", text)
+    if not match:
+        return int(text)
+    number, suffix = match.groups()
+    if suffix.islower():
+        return int(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise ValueError(
+            f"{text}: no decimals with a binary suffix ({suffix}); did you mean "
+            f"{number}{suffix.lower()}?"
+        )
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+def max_model_len_arg(text: str) -> int | None:
+    """``--max-model-len``: a human-readable integer, or ``auto`` / ``-1`` (fit the cache)."""
+    if text.strip().lower() in ("auto", "-1"):
+        return None
+    return human_readable_int(text)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,69 +68,143 @@ class EngineConfig:
 
     Attributes:
         model: checkpoint directory (config.json, *.safetensors, tokenizer.json).
-        max_model_len: prompt + output tokens of one sequence at most; None: the model's
-            ``max_position_embeddings`` if the cache can hold one such sequence, else the
-            most the cache holds (a warning says so).
+        tokenizer: directory of tokenizer.json / tokenizer_config.json when they are not
+            in the model directory.
+        max_model_len: prompt + output tokens of one sequence at most ('32k', '32K' and
+            'auto' accepted); default: the model's max_position_embeddings if the cache holds
+            one such sequence, else the most it holds (the startup report says so and why).
         max_num_seqs: sequences running at once at most.
-        max_num_batched_tokens: tokens in one step (prefill chunks + decodes) at most.
-        cache_memory_gib: the arena for KV pages and state pages.
+        max_num_batched_tokens: tokens in one step (prefill chunks + decodes) at most
+            (default 2048).
+        gpu_memory_utilization: the cache gets this fraction of the device's memory still
+            available once the weights are loaded; on CPU, of the available RAM
+            (MemAvailable). Give it or cache_memory_gib; neither: 2 GiB.
+        cache_memory_gib: the cache arena (KV pages and state pages), in GiB (default 2).
         block_size: tokens per attention page (and the grid of state snapshots).
         enable_prefix_caching: reuse KV pages and state snapshots across requests.
-        dtype: model and cache dtype; "auto" is float32 on CPU, else the config's dtype.
-        device: "cpu" or a torch device string such as "cuda".
-        eviction: "lru" or "cost" (Marconi-style: tokens saved per byte, with recency).
-        checkpoint_interval: also snapshot states every this many tokens (shared prefixes
-            of other requests); None snapshots only prompt and sequence ends.
-        retention_interval: superseded snapshots are kept only on multiples of this.
+        mamba_cache_mode: vLLM's switch for caching recurrent states: 'align' (snapshots at
+            block-aligned positions, how this engine takes all of them) needs prefix
+            caching; 'none' turns prefix caching off. Default: follow
+            enable_prefix_caching.
+        dtype: model dtype; 'auto' is float32 on CPU, else the checkpoint's dtype.
+        kv_cache_dtype: KV cache dtype; 'auto' is the model dtype; fp8 (e4m3, e5m2) stores
+            K/V unscaled, as vLLM does without calibrated scales.
+        mamba_ssm_cache_dtype: recurrent (SSM) state dtype; 'auto': float32 for a float32
+            model, else the model family's rule (the checkpoint's mamba_ssm_dtype if any).
+        device: torch device ('cpu', 'cuda', ...).
+        tensor_parallel_size: accepted for vLLM command lines; only 1 (one device) runs.
+        generation_config: default sampling parameters: 'auto' reads the checkpoint's
+            generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
+            max_new_tokens, ...) as vLLM does, 'vllm' ignores it, or a directory / file path.
+        override_generation_config: JSON object of sampling defaults applied over
+            generation_config (e.g. '{"temperature": 0.5}').
+        chat_template: the chat template (a file, or the template itself) replacing the
+            tokenizer's.
+        trust_remote_code: accepted for vLLM command lines; no checkpoint code ever runs
+            here (a warning says so).
+        eviction: 'lru' or 'cost' (Marconi-style: tokens saved per byte, with recency).
+        eviction_alpha: weight of recency against savings in the 'cost' policy.
+        checkpoint_interval: also snapshot recurrent states every N tokens (a multiple of the
+            block size), for shared prefixes such as system prompts.
+        retention_interval: keep superseded snapshots only on multiples of N tokens.
         seed: seeds the sampling of requests without a seed of their own.
         poison_cache: fill the arena with 0xFF bytes (NaN in every float dtype) at start,
             so a read of cache memory nobody wrote shows up as NaN logits (tests, debugging).
     """
 
     model: str
-    max_model_len: int | None = None
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    cache_memory_gib: float = DEFAULT_CACHE_MEMORY_GIB
+    tokenizer: str | None = None
+    max_model_len: int | None = field(default=None, metadata={"parse": max_model_len_arg})
+    max_num_seqs: int = field(default=64, metadata={"parse": human_readable_int})
+    max_num_batched_tokens: int | None = field(default=None, metadata={"parse": human_readable_int})
+    gpu_memory_utilization: float | None = None
+    cache_memory_gib: float | None = None
     block_size: int = 16
-    enable_prefix_caching: bool = True
-    dtype: str = "auto"
+    enable_prefix_caching: bool = field(default=True, metadata={"aliases": ("--prefix-caching",)})
+    mamba_cache_mode: str | None = field(default=None, metadata={"choices": MAMBA_CACHE_MODES})
+    dtype: str = field(default="auto", metadata={"choices": DTYPES + tuple(DTYPE_ALIASES)})
+    kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
+    mamba_ssm_cache_dtype: str = field(default="auto", metadata={"choices": MAMBA_SSM_CACHE_DTYPES})
     device: str = "cpu"
-    eviction: str = "lru"
+    tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
+    generation_config: str = field(default="auto", metadata={"metavar": "auto|vllm|PATH"})
+    override_generation_config: dict[str, Any] | None = field(
+        default=None, metadata={"metavar": "JSON"}
+    )
+    chat_template: str | None = None
+    trust_remote_code: bool = False
+    eviction: str = field(default="lru", metadata={"choices": tuple(EVICTION_POLICIES)})
     eviction_alpha: float = 1.0
     checkpoint_interval: int | None = None
     retention_interval: int | None = None
     seed: int = 0
-    poison_cache: bool = False
+    poison_cache: bool = field(default=False, metadata={"cli": False})
 
     def __post_init__(self) -> None:
-        def positive_int(name: str, value: object, allow_none: bool = False) -> None:
-            if value is None and allow_none:
-                return
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-        positive_int("max_model_len", self.max_model_len, allow_none=True)
-        positive_int("max_num_seqs", self.max_num_seqs)
-        positive_int("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
-        positive_int("block_size", self.block_size)
-        if not isinstance(self.cache_memory_gib, int | float) or not (
-            math.isfinite(self.cache_memory_gib) and self.cache_memory_gib > 0
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        for name in ("max_model_len", "max_num_batched_tokens"):
+            _check_positive_int(name, getattr(self, name), allow_none=True)
+        for name in ("max_num_seqs", "block_size"):
+            _check_positive_int(name, getattr(self, name))
+        self._check_memory()
+        for name, allowed in (
+            ("dtype", DTYPES),
+            ("kv_cache_dtype", KV_CACHE_DTYPES),
+            ("mamba_ssm_cache_dtype", MAMBA_SSM_CACHE_DTYPES),
+            ("eviction", tuple(EVICTION_POLICIES)),
         ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.mamba_cache_mode not in (None, *MAMBA_CACHE_MODES):
             raise ValueError(
-                f"cache_memory_gib must be a positive number, got {self.cache_memory_gib!r}"
+                f"mamba_cache_mode must be one of {MAMBA_CACHE_MODES}, "
+                f"got {self.mamba_cache_mode!r}"
             )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.eviction not in EVICTION_POLICIES:
+        if self.mamba_cache_mode == "align" and not self.enable_prefix_caching:
             raise ValueError(
-                f"eviction must be one of {sorted(EVICTION_POLICIES)}, got {self.eviction!r}"
+                "mamba_cache_mode 'align' caches states for prefix caching: it needs "
+                "enable_prefix_caching"
             )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1, got {self.tensor_parallel_size!r}: this "
+                f"engine runs one model on one device"
+            )
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                f"generation_config must be 'auto', 'vllm' or a path, got "
+                f"{self.generation_config!r}"
+            )
+        if self.override_generation_config is not None and not isinstance(
+            self.override_generation_config, dict
+        ):
+            raise ValueError("override_generation_config must be a JSON object (a dict)")
         self.checkpoint_policy.validate(self.block_size)
 
+    def _check_memory(self) -> None:
+        if self.cache_memory_gib is not None and self.gpu_memory_utilization is not None:
+            raise ValueError(
+                "give cache_memory_gib (an absolute size) or gpu_memory_utilization (a "
+                "fraction of the available memory), not both"
+            )
+        gib = self.cache_memory_gib
+        if gib is not None and not (_is_number(gib) and math.isfinite(gib) and gib > 0):
+            raise ValueError(f"cache_memory_gib must be a positive number, got {gib!r}")
+        util = self.gpu_memory_utilization
+        if util is not None and not (_is_number(util) and 0 < util <= 1):
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
+
     @property
-    def cache_memory_bytes(self) -> int:
-        return int(self.cache_memory_gib * GIB)
+    def enables_prefix_caching(self) -> bool:
+        """Prefix caching after mamba_cache_mode: 'none' turns it off, as in vLLM."""
+        return self.enable_prefix_caching and self.mamba_cache_mode != "none"
+
+    @property
+    def fixed_cache_memory_bytes(self) -> int | None:
+        """The cache size when it does not depend on free memory (None: it does)."""
+        if self.gpu_memory_utilization is not None:
+            return None
+        return int((self.cache_memory_gib or DEFAULT_CACHE_MEMORY_GIB) * GIB)
 
     @property
     def checkpoint_policy(self) -> CheckpointPolicy:
@@ -95,3 +216,14 @@ class EngineConfig:
     @property
     def eviction_policy(self) -> EvictionPolicy:
         return EVICTION_POLICIES[self.eviction]
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_positive_int(name: str, value: object, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

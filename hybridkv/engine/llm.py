@@ -4,12 +4,19 @@ llm = LLM(model="path/to/checkpoint", max_model_len=4096, cache_memory_gib=2.0)
 outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
 llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0))
 llm.stats()
+
+Threads: one ``LLM`` may be called from several threads at once. Each call queues its
+requests, then the calling threads take turns running engine steps under one lock; a step
+runs every queued request, whoever queued it (so concurrent calls batch together), and
+each call returns as soon as its own requests have finished.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from typing import Any
 
 from rich.progress import Progress
@@ -34,14 +41,38 @@ def _is_single_prompt(prompts: object) -> bool:
 class LLM:
     """Offline generation with continuous batching and hybrid prefix caching.
 
-    Keyword options are :class:`EngineConfig`'s (max_model_len, max_num_seqs,
-    max_num_batched_tokens, cache_memory_gib, block_size, enable_prefix_caching, dtype,
-    device, eviction, checkpoint_interval, retention_interval, seed).
+    Keyword options are :class:`EngineConfig`'s fields, under vLLM's names where vLLM has
+    one (max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
+    cache_memory_gib, block_size, enable_prefix_caching, dtype, kv_cache_dtype,
+    generation_config, chat_template, tokenizer, trust_remote_code, seed, ...). Start-up
+    logs the capacity report (logger ``hybridkv.engine``); :meth:`stats` holds it too.
+    Safe to call from several threads (see the module docstring).
+
+    Raises:
+        TypeError: an option that is not an EngineConfig field.
+        ValueError: a bad option value, or a checkpoint that cannot be served.
     """
 
     def __init__(self, model: str, **options: Any) -> None:
+        known = {f.name for f in fields(EngineConfig)}
+        if unknown := sorted(options.keys() - known):
+            raise TypeError(
+                f"LLM() got unknown option(s) {unknown}; the options are EngineConfig's: "
+                f"{sorted(known - {'model'})}"
+            )
         self.engine = LLMEngine(EngineConfig(model=str(model), **options))
         self._ids = itertools.count()
+        self._step_lock = threading.Lock()  # one thread steps the engine at a time
+        self._finished: dict[str, RequestOutput] = {}  # finished, not yet taken by its caller
+
+    @property
+    def capacity_report(self) -> list[str]:
+        """The start-up capacity report, one line per fact."""
+        return list(self.engine.capacity_report)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate`` uses without ``sampling_params``: the generation config's defaults."""
+        return self.engine.default_sampling_params()
 
     def get_tokenizer(self) -> Tokenizer | None:
         return self.engine.tokenizer
@@ -66,10 +97,11 @@ class LLM:
                     f"{len(params)} sampling params for {len(batch)} prompts: give one or one each"
                 )
         else:
-            params = [sampling_params or SamplingParams()] * len(batch)
+            params = [sampling_params or self.get_default_sampling_params()] * len(batch)
         for prompt, p in zip(batch, params, strict=True):  # check all before queueing any
             self.engine.validate_request(prompt, p)
-        ids = [f"{next(self._ids)}" for _ in batch]
+        with self._step_lock:
+            ids = [f"{next(self._ids)}" for _ in batch]
         for request_id, prompt, p in zip(ids, batch, params, strict=True):
             self.engine.add_request(request_id, prompt, p)
         return self._run(ids, use_tqdm)
@@ -112,19 +144,27 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request of ``ids`` finished; other callers' outputs are kept."""
         done: dict[str, RequestOutput] = {}
-        wanted = set(ids)
         with Progress(disable=not use_tqdm, transient=True) as progress:
             task = progress.add_task("generating", total=len(ids))
-            while wanted - done.keys():
-                for out in self.engine.step():
-                    if out.finished and out.request_id in wanted:
-                        done[out.request_id] = out
-                        progress.advance(task)
+            while len(done) < len(ids):
+                with self._step_lock:
+                    for request_id in ids:
+                        if request_id not in done and request_id in self._finished:
+                            done[request_id] = self._finished.pop(request_id)
+                            progress.advance(task)
+                    if len(done) == len(ids):
+                        break
+                    for out in self.engine.step():
+                        if out.finished:
+                            self._finished[out.request_id] = out
         return [done[i] for i in ids]
 
     def stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        """:meth:`LLMEngine.stats` between two steps (the capacity report included)."""
+        with self._step_lock:
+            return self.engine.stats()
 
 
 def render_chat(

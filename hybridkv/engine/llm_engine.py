@@ -15,23 +15,33 @@ another thread. Everything else belongs to the thread calling ``step``.
 
 from __future__ import annotations
 
+import collections
 import logging
 import random
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from hybridkv.core.manager import CacheConfig, CacheManager
-from hybridkv.core.planner import max_seq_len
 from hybridkv.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from hybridkv.engine.generation_defaults import default_sampling
 from hybridkv.engine.inputs import InputProcessor, PromptType
 from hybridkv.engine.logits_processors import RowContext
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.engine.sampler import SampledToken, SamplingFailure, sample
+from hybridkv.engine.startup import (
+    cache_budget,
+    capacity_plan,
+    choose_max_model_len,
+    log_capacity,
+    plan_command,
+    read_chat_template,
+)
 from hybridkv.engine.stopping import decode_output, update_and_check
 from hybridkv.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hybridkv.models.loader import load_model
@@ -43,6 +53,16 @@ from hybridkv.sched.scheduler import ScheduledChunk, Scheduler
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine"]
+
+
+def _cache_dtype(name: str) -> str | None:
+    """A cache dtype option as the loader takes it: None for 'auto', fp8 by torch's name."""
+    return {
+        "auto": None,
+        "fp8": "float8_e4m3fn",
+        "fp8_e4m3": "float8_e4m3fn",
+        "fp8_e5m2": "float8_e5m2",
+    }.get(name, name)
 
 
 @dataclass(eq=False)
@@ -69,25 +89,53 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        loaded = load_model(config.model, dtype=config.dtype, device=config.device)
+        if config.trust_remote_code:
+            logger.warning(
+                "trust_remote_code is accepted for vLLM command lines, but no code from the "
+                "checkpoint ever runs here: its architecture must be one hybridkv implements"
+            )
+        loaded = load_model(
+            config.model,
+            dtype=config.dtype,
+            device=config.device,
+            kv_dtype=_cache_dtype(config.kv_cache_dtype),
+            ssm_dtype=_cache_dtype(config.mamba_ssm_cache_dtype),
+            tokenizer_dir=config.tokenizer,
+        )
         self.model_config = loaded.config
         self.spec = loaded.spec
         self.tokenizer: Tokenizer | None = loaded.tokenizer
+        if config.chat_template is not None:
+            self._set_chat_template(config.chat_template)
         self.dtype = loaded.dtype
         self.vocab_size = int(loaded.config.get("vocab_size") or 0)
+        self.generation_defaults = default_sampling(
+            config.generation_config, Path(config.model), config.override_generation_config
+        )
+        self.default_sampling_params()  # a bad default is a start-up error, not a 500 later
+        model = loaded.model.to(self.device)
+        budget = cache_budget(config, self.device)
         self.manager = CacheManager(
             loaded.spec,
             CacheConfig(
-                memory_bytes=config.cache_memory_bytes,
+                memory_bytes=budget.bytes,
                 block_tokens=config.block_size,
-                enable_prefix_caching=config.enable_prefix_caching,
+                enable_prefix_caching=config.enables_prefix_caching,
                 checkpoint=config.checkpoint_policy,
                 eviction=config.eviction_policy,
                 eviction_alpha=config.eviction_alpha,
                 split_prefill_at_snapshots=True,
             ),
         )
-        self.max_model_len = self._choose_max_model_len(config)
+        native = self.spec.max_model_len or self.model_config.get("max_position_embeddings")
+        length = choose_max_model_len(
+            config, self.manager.layout, self.spec, int(native) if native else None, budget
+        )
+        self.max_model_len = length.tokens
+        self.capacity = capacity_plan(config, self.spec, budget, length.tokens)
+        self.capacity_report = log_capacity(
+            self.capacity, plan_command(config, self.spec, budget, length.tokens), length, budget
+        )
         self.eos_token_ids = set(self.tokenizer.eos_token_ids if self.tokenizer else [])
         if not self.eos_token_ids and self.model_config.get("eos_token_id") is not None:
             eos = self.model_config["eos_token_id"]
@@ -100,13 +148,12 @@ class LLMEngine:
         self.inputs = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, self.structured
         )
-        model = loaded.model.to(self.device)
         self.runner = ModelRunner(
             model, loaded.spec, self.manager.layout, self.device, poison_arena=config.poison_cache
         )
-        budget = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+        budget_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.scheduler = Scheduler(
-            self.manager, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget
+            self.manager, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget_tokens
         )
         self._rng = random.Random(config.seed)
         self._requests: dict[str, _Request] = {}
@@ -116,6 +163,7 @@ class LLMEngine:
         self._pending_ids: set[str] = set()
         self._order = 0
         self.num_finished = 0
+        self.finished_by_reason: collections.Counter[str] = collections.Counter()
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
@@ -124,33 +172,18 @@ class LLMEngine:
     def from_model(cls, model: str, **options: Any) -> LLMEngine:
         return cls(EngineConfig(model=str(model), **options))
 
-    def _choose_max_model_len(self, config: EngineConfig) -> int:
-        fits = max_seq_len(self.manager.layout, self.spec, config.block_size)
-        if config.max_model_len is not None:
-            if config.max_model_len > fits:
-                raise ValueError(
-                    f"max_model_len={config.max_model_len} does not fit in the cache: "
-                    f"{config.cache_memory_gib} GiB holds one sequence of at most {fits} "
-                    f"tokens; raise cache_memory_gib or lower max_model_len"
-                )
-            return config.max_model_len
-        if fits <= 0:
-            raise ValueError(
-                f"cache_memory_gib={config.cache_memory_gib} cannot hold one sequence of "
-                f"this model; raise it"
-            )
-        native = self.spec.max_model_len or self.model_config.get("max_position_embeddings")
-        if native and native <= fits:
-            return int(native)
-        if native:
-            logger.warning(
-                "max_model_len lowered from the model's %d to %d tokens: what %.2f GiB of "
-                "cache holds for one sequence",
-                native,
-                fits,
-                config.cache_memory_gib,
-            )
-        return min(fits, int(native)) if native else min(fits, 4096)
+    def _set_chat_template(self, template: str) -> None:
+        if self.tokenizer is None:
+            raise ValueError("chat_template given, but the model has no tokenizer")
+        self.tokenizer.set_chat_template(read_chat_template(template))
+
+    def default_sampling_params(self, **fields: Any) -> SamplingParams:
+        """vLLM's defaults, then the generation config's, then ``fields``.
+
+        Raises:
+            ValueError: a value SamplingParams rejects (naming the field).
+        """
+        return SamplingParams(**(self.generation_defaults | fields))
 
     # ------------------------------------------------------------------ requests
 
@@ -266,7 +299,7 @@ class LLMEngine:
         for seq in sched.rejected:
             req = self._requests[seq.request_id]
             req.error = (
-                f"the request does not fit in the cache ({self.config.cache_memory_gib} GiB) "
+                f"the request does not fit in the cache ({self.capacity.memory_bytes} bytes) "
                 f"even alone"
             )
             touched[req.request_id] = req
@@ -339,8 +372,7 @@ class LLMEngine:
             if token is None:
                 continue
             self.num_generated_tokens += 1
-            if req.metrics.first_token_time is None:
-                req.metrics.first_token_time = now
+            req.metrics.record_token(now)
             self._record_logprobs(seq, token)
             stop = update_and_check(
                 seq,
@@ -413,23 +445,29 @@ class LLMEngine:
         with self._lock:
             self._pending_ids.discard(req.request_id)
         self.num_finished += 1
+        reason = "error" if req.error else (req.seqs[0].finish_reason or "abort")
+        self.finished_by_reason[reason] += 1
         return self._output(req)
 
     # ------------------------------------------------------------------ stats
 
     def stats(self) -> dict[str, Any]:
-        """Counters and cache occupancy (what /metrics and ``LLM.stats()`` report).
+        """Counters, cache occupancy and the capacity plan (what /metrics and ``LLM.stats()``
+        report).
 
         Reads state that ``step`` changes: call it from the stepping thread, or hold the
-        same lock around both (the server does).
+        same lock around both (the server and ``LLM`` do).
         """
         usage = self.manager.usage()
         layout = self.manager.layout
         queries, hits = usage.prefix_query_tokens, usage.prefix_hit_tokens
+        state_groups = [g for g in usage.groups if g.group_id in self.manager.state_groups]
+        used_bytes = sum(g.pages_used * g.page_bytes for g in usage.groups)
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting) + len(self._inbox),
             "num_requests_finished": self.num_finished,
+            "requests_finished_by_reason": dict(self.finished_by_reason),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
             "prompt_tokens": self.num_prompt_tokens,
@@ -437,7 +475,12 @@ class LLMEngine:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": hits,
             "prefix_cache_hit_rate": hits / queries if queries else 0.0,
+            "prefix_cache_hybrid_misses": usage.prefix_hybrid_miss_tokens,
+            "kv_cache_usage": used_bytes / layout.total_bytes if layout.total_bytes else 0.0,
             "state_snapshots_taken": usage.snapshots_taken,
+            "state_snapshots_kept": state_groups[0].pages_cached if state_groups else 0,
+            "state_snapshots_dropped": usage.snapshots_dropped,
+            "state_snapshots_evicted": state_groups[0].pages_evicted if state_groups else 0,
             "state_page_copies": self.runner.num_page_copies,
             "state_pages_used": usage.state_pages_used,
             "pages_evicted": usage.pages_evicted,
@@ -457,7 +500,10 @@ class LLMEngine:
                     "pages_cached": g.pages_cached,
                     "pages_free": g.pages_free,
                     "chunks": g.chunks,
+                    "pages_evicted": g.pages_evicted,
                 }
                 for g in usage.groups
             ],
+            "capacity": self.capacity.to_json(),
+            "capacity_report": list(self.capacity_report),
         }

@@ -41,18 +41,39 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Wall-clock times (``time.monotonic`` seconds) of one request's life."""
+    """Wall-clock times (``time.monotonic`` seconds) of one request's life.
+
+    ``inter_token_latencies``: the time between two steps that gave the request new tokens,
+    one entry per such step after the first (vLLM's ``inter_token_latency_seconds``).
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
 
     @property
     def time_to_first_token(self) -> float | None:
         if self.first_token_time is None:
             return None
         return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Arrival to finish (None while running)."""
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+    def record_token(self, now: float) -> None:
+        """A step at ``now`` gave the request tokens (called once or more per step)."""
+        if self.first_token_time is None:
+            self.first_token_time = now
+        elif self.last_token_time is not None and now > self.last_token_time:
+            self.inter_token_latencies.append(now - self.last_token_time)
+        self.last_token_time = now
 
 
 @dataclass

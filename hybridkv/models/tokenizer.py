@@ -135,6 +135,11 @@ class Tokenizer:
         self.eos_token_ids = self._eos_ids(model_dir)
         self._compiled_template: jinja2.Template | None = None
 
+    def set_chat_template(self, template: str) -> None:
+        """Replace the checkpoint's chat template (``--chat-template``)."""
+        self.chat_template = template
+        self._compiled_template = None
+
     def _eos_ids(self, model_dir: Path) -> list[int]:
         """generation_config.json, else config.json (text_config too), else the eos token."""
         config = _read(model_dir / "config.json")

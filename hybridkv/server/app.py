@@ -1,9 +1,10 @@
 """The FastAPI app: OpenAI routes over one engine, health, metrics, auth, limits.
 
-Authentication: with ``api_key`` set, every ``/v1/*`` route, ``/tokenize`` and
-``/detokenize`` need ``Authorization: Bearer <key>`` (else 401). ``/health``, ``/metrics``
-and ``/version`` stay open, as in vLLM: load balancers and Prometheus scrapers probe them
-without credentials, and they reveal no prompts or outputs.
+Authentication: with ``api_key`` set, every ``/v1/*`` route, ``/tokenize``,
+``/detokenize``, ``/docs`` and ``/openapi.json`` need ``Authorization: Bearer <key>``
+(else 401). ``/health``, ``/metrics`` and ``/version`` stay open, as in vLLM: load
+balancers and Prometheus scrapers probe them without credentials, and they reveal no
+prompts or outputs.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from hybridkv import __version__
@@ -22,8 +24,9 @@ from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.server.async_engine import AsyncEngine
 from hybridkv.server.chat import create_chat_completion
 from hybridkv.server.completions import create_completion
+from hybridkv.server.config import ServerConfig
 from hybridkv.server.errors import APIError, install_error_handlers
-from hybridkv.server.limits import DEFAULT_MAX_BODY_BYTES, BodyLimitMiddleware
+from hybridkv.server.limits import BodyLimitMiddleware
 from hybridkv.server.metrics import ServerMetrics
 from hybridkv.server.protocol import (
     ChatCompletionRequest,
@@ -101,12 +104,27 @@ def _tokenizer_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
     return router
 
 
+def _docs_router(app: FastAPI, api_key: str | None) -> APIRouter:
+    """``/openapi.json`` and ``/docs`` (Swagger UI), behind the API key when one is set."""
+    router = APIRouter(dependencies=[Depends(_auth_dependency(api_key))])
+
+    @router.get("/openapi.json", include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @router.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="hybridkv")
+
+    return router
+
+
 def create_app(
     engine: LLMEngine | AsyncEngine,
     served_model_name: str,
     api_key: str | None = None,
     *,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    server: ServerConfig | None = None,
     tool_parser: ToolParser | None = None,
 ) -> FastAPI:
     """An app serving ``engine`` under ``served_model_name``.
@@ -117,12 +135,15 @@ def create_app(
     Args:
         engine: the engine, or an :class:`AsyncEngine` already wrapping one.
         served_model_name: the only ``model`` value requests may name (else 404).
-        api_key: if set, ``/v1/*`` needs ``Authorization: Bearer <api_key>``.
-        max_body_bytes: larger request bodies get a 413.
+        api_key: if set, ``/v1/*``, the tokenizer routes and the docs need
+            ``Authorization: Bearer <api_key>``.
+        server: body size and time limits, request logging, docs (default ServerConfig()).
         tool_parser: how the model writes tool calls (default: hermes).
     """
+    server = server or ServerConfig()
     front = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
-    metrics = ServerMetrics()
+    front.log_requests = server.enable_log_requests
+    metrics = ServerMetrics(served_model_name)
     ctx = ServingContext(
         engine=front,
         model_name=served_model_name,
@@ -138,12 +159,20 @@ def create_app(
         finally:
             front.shutdown()
 
-    app = FastAPI(title="hybridkv", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(
+        title="hybridkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None
+    )
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.add_middleware(BodyLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_body_bytes=server.max_body_bytes,
+        body_timeout_s=server.timeout_request_body,
+    )
     app.include_router(_v1_router(ctx, api_key))
     app.include_router(_tokenizer_router(ctx, api_key))
+    if not server.disable_fastapi_docs:
+        app.include_router(_docs_router(app, api_key))
 
     @app.get("/version")
     async def version() -> JSONResponse:

@@ -55,6 +55,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
         self._stopping = False
+        self.log_requests = False  # log each request's id, prompt length and parameters
         # Held around step() and stats(): stats reads scheduler and pool state that a step
         # mutates, and a scrape must not see a half-updated pool.
         self._step_lock = threading.Lock()
@@ -150,6 +151,8 @@ class AsyncEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.engine.add_request(request_id, prompt, params)
+        if self.log_requests:
+            logger.info("request %s: %s, %s", request_id, _prompt_summary(prompt), params)
         self._queues[request_id] = queue
         self._wake.set()
         return RequestStream(self, request_id, queue)
@@ -182,6 +185,12 @@ class AsyncEngine:
     def num_open_requests(self) -> int:
         """Requests with a consumer attached (what the server still has to answer)."""
         return len(self._queues)
+
+
+def _prompt_summary(prompt: PromptType) -> str:
+    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        return f"{len(prompt['prompt_token_ids'])} prompt tokens"
+    return f"{len(str(prompt))} prompt characters"
 
 
 class RequestStream:

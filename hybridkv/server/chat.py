@@ -298,7 +298,13 @@ async def create_chat_completion(
     tools = tool_use(req, ctx.tool_parser)
     param, structure = output_structure(req, tools)
     try:
-        params = sampling_params(req, max_tokens, logprobs, structured_outputs=structure)
+        params = sampling_params(
+            req,
+            max_tokens,
+            logprobs,
+            defaults=ctx.sampling_defaults,
+            structured_outputs=structure,
+        )
     except APIError as exc:
         if exc.param == "logprobs" and req.top_logprobs is not None:
             exc.param = "top_logprobs"

@@ -144,7 +144,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     max_tokens = DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     param, structure = output_structure(req, None)
     params: SamplingParams = sampling_params(
-        req, max_tokens, req.logprobs, structured_outputs=structure
+        req, max_tokens, req.logprobs, defaults=ctx.sampling_defaults, structured_outputs=structure
     )
     await compile_structure(ctx, structure, param)
     prompt_ids = await encode_in_thread(ctx, prompt)

@@ -1,26 +1,37 @@
-"""BodyLimitMiddleware: a request body over the limit gets a 413 before the app reads it.
+"""BodyLimitMiddleware: a request body over the size limit gets a 413, one that has not
+fully arrived by the deadline a 408, before the app reads it.
 
 A pure ASGI middleware rather than a check in the handlers, because FastAPI parses the
 body before any handler runs: the size has to be enforced while the bytes arrive, and a
-chunked upload has no Content-Length to check up front.
+chunked upload has no Content-Length to check up front. The deadline is for the whole
+body, not per piece, so a client dripping a byte now and then cannot hold a connection
+and up to ``max_body_bytes`` of memory for ever.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
 from hybridkv.server.errors import error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20  # 4 MiB: far above any prompt max_model_len allows
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 
 class BodyLimitMiddleware:
     """Reads the whole body (up to the limit) first, then replays it to the app."""
 
-    def __init__(self, app: Any, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+    def __init__(
+        self,
+        app: Any,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    ) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -29,18 +40,28 @@ class BodyLimitMiddleware:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            await self._reject(send)
+            await self._reject(send, 413, f"the request body exceeds {self.max_body_bytes} bytes")
             return
         chunks: list[bytes] = []
         size = 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except TimeoutError:
+                await self._reject(
+                    send, 408, f"the request body did not arrive within {self.body_timeout_s:g} s"
+                )
+                return
             if message["type"] == "http.disconnect":
                 return  # gone before the body arrived: nothing to answer
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
-                await self._reject(send)
+                await self._reject(
+                    send, 413, f"the request body exceeds {self.max_body_bytes} bytes"
+                )
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -57,14 +78,12 @@ class BodyLimitMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send: Any) -> None:
-        payload = json.dumps(
-            error_body(f"the request body exceeds {self.max_body_bytes} bytes", 413)
-        ).encode()
+    async def _reject(self, send: Any, status: int, message: str) -> None:
+        payload = json.dumps(error_body(message, status)).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
+                "status": status,
                 "headers": [
                     (b"content-type", b"application/json"),
                     (b"content-length", str(len(payload)).encode()),

@@ -96,8 +96,9 @@ class SamplingFields(_Strict):
 
     model: str
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
+    # None: the model's generation_config.json default, else vLLM's (engine.generation_defaults)
+    temperature: float | None = None
+    top_p: float | None = None
     n: int = Field(1, le=MAX_N)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # int64, as OpenAI's
@@ -109,12 +110,12 @@ class SamplingFields(_Strict):
     best_of: int | None = None
     user: str | None = None
     # extensions
-    top_k: int = 0
-    min_p: float = 0.0
+    top_k: int | None = None
+    min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     bad_words: list[str] | None = None
     # structured output: OpenAI's response_format, vLLM's structured_outputs and guided_*

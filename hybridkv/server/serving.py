@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
@@ -46,6 +46,11 @@ class ServingContext:
     @property
     def max_model_len(self) -> int:
         return self.engine.engine.max_model_len
+
+    @property
+    def sampling_defaults(self) -> Mapping[str, Any]:
+        """Sampling fields the model's generation config sets (vLLM applies them too)."""
+        return self.engine.engine.generation_defaults
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -110,35 +115,60 @@ def logit_bias(req: SamplingFields) -> dict[int, float] | None:
     return bias
 
 
+# request field -> its value when neither the request nor the generation config sets it
+_VLLM_DEFAULTS = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+}
+
+
 def sampling_params(
     req: SamplingFields,
     max_tokens: int | None,
     logprobs: int | None,
+    *,
+    defaults: Mapping[str, Any] | None = None,
     **extra: Any,
 ) -> SamplingParams:
     """The engine's SamplingParams; its ValueError (it names the field) becomes a 400.
 
+    A field the request leaves unset takes ``defaults`` (the engine's
+    ``generation_defaults``, from the model's generation_config.json), else vLLM's
+    default, as vLLM's ``to_sampling_params`` does; so does ``max_tokens`` when None.
     ``extra``: more SamplingParams fields the endpoint decided (structured outputs...).
     """
-    temperature = req.temperature
+    defaults = defaults or {}
+
+    def pick(name: str) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else defaults.get(name, _VLLM_DEFAULTS[name])
+
+    temperature = pick("temperature")
     if 0 < temperature < GREEDY_BELOW:
         temperature = 0.0
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens")
     try:
         return SamplingParams(
             n=req.n,
             max_tokens=max_tokens,
             temperature=temperature,
-            top_p=req.top_p,
-            top_k=req.top_k,
-            min_p=req.min_p,
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
             seed=req.seed,
             stop=req.stop,
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=req.repetition_penalty,
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            repetition_penalty=pick("repetition_penalty"),
             logit_bias=logit_bias(req),
             min_tokens=req.min_tokens,
             bad_words=req.bad_words,
@@ -196,13 +226,16 @@ def open_stream(
 
 
 async def observed(ctx: ServingContext, stream: RequestStream) -> AsyncIterator[RequestOutput]:
-    """The stream's outputs, recording time to first token once; closes the stream at exit."""
+    """The stream's outputs, recording time to first token once and the other latencies at
+    the finish; closes the stream at exit."""
     seen_token = False
     try:
         async for out in stream:
             if not seen_token and out.metrics and out.metrics.time_to_first_token is not None:
                 seen_token = True
                 ctx.metrics.observe_ttft(out.metrics.time_to_first_token)
+            if out.finished:
+                ctx.metrics.observe_finished(out)
             yield out
     finally:
         stream.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -57,22 +58,28 @@ def start_server(engine: LLMEngine, api_key: str | None = None) -> LiveServer:
     return LiveServer(f"http://127.0.0.1:{port}", server, thread, engine)
 
 
+COMMON_LABELS = re.compile(r'(model_name="[^"]*"|engine="0"),?')
+
+
 def scrape(http: httpx.Client) -> dict[str, float]:
-    """/metrics as {'name{labels}': value} (comments dropped)."""
+    """/metrics as {'name{labels}': value} (comments dropped), without the labels every
+    series carries (``model_name``, ``engine``): ``vllm:num_requests_running``,
+    ``hybridkv:pages_used{group="0",kind="attention"}``."""
     response = http.get("/metrics")
     assert response.status_code == 200
     values = {}
     for line in response.text.splitlines():
         if line and not line.startswith("#"):
             key, value = line.rsplit(" ", 1)
+            key = COMMON_LABELS.sub("", key).replace(",}", "}").replace("{}", "")
             values[key] = float(value)
     return values
 
 
 def pages_held(metrics: dict[str, float]) -> float:
     """Pages held by requests: running + waiting sequences, and pages_used of every group."""
-    used = sum(v for k, v in metrics.items() if k.startswith("hybridkv_pages_used{"))
-    return used + metrics["hybridkv_state_pages_used"]
+    used = sum(v for k, v in metrics.items() if k.startswith("hybridkv:pages_used{"))
+    return used + metrics["hybridkv:state_pages_used"]
 
 
 def wait_idle(http: httpx.Client, timeout_s: float = 20.0) -> dict[str, float]:
@@ -80,7 +87,7 @@ def wait_idle(http: httpx.Client, timeout_s: float = 20.0) -> dict[str, float]:
     deadline = time.monotonic() + timeout_s
     while True:
         metrics = scrape(http)
-        busy = metrics["hybridkv_num_requests_running"] + metrics["hybridkv_num_requests_waiting"]
+        busy = metrics["vllm:num_requests_running"] + metrics["vllm:num_requests_waiting"]
         if busy == 0 and pages_held(metrics) == 0:
             return metrics
         if time.monotonic() > deadline:

@@ -196,31 +196,31 @@ def test_stop_string_never_streamed(client: Any, offline: LLM) -> None:
 
 def test_prefix_cache_reported_in_usage(client: Any, http: httpx.Client) -> None:
     prompt = "A long shared system prompt that several requests reuse. " * 2
-    before = scrape(http)["hybridkv_prefix_cache_hit_tokens_total"]
+    before = scrape(http)["vllm:prefix_cache_hits_total"]
     first = client.completions.create(model=MODEL_NAME, prompt=prompt, **GREEDY)
     second = client.completions.create(model=MODEL_NAME, prompt=prompt, **GREEDY)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert 0 < cached < second.usage.prompt_tokens
     metrics = wait_idle(http)
-    assert metrics["hybridkv_prefix_cache_hit_tokens_total"] - before == cached
+    assert metrics["vllm:prefix_cache_hits_total"] - before == cached
 
 
 def test_metrics_exposes_engine_state(http: httpx.Client) -> None:
     metrics = wait_idle(http)
     for name in (
-        "hybridkv_num_requests_running",
-        "hybridkv_num_requests_waiting",
-        'hybridkv_pages_used{group="0",kind="attention"}',
-        'hybridkv_pages_free{group="1",kind="gdn"}',
-        "hybridkv_state_pages_used",
-        "hybridkv_prefix_cache_query_tokens_total",
-        "hybridkv_preemptions_total",
-        "hybridkv_generation_tokens_total",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        'hybridkv:pages_used{group="0",kind="attention"}',
+        'hybridkv:pages_free{group="1",kind="gdn"}',
+        "hybridkv:state_pages_used",
+        "vllm:prefix_cache_queries_total",
+        "vllm:num_preemptions_total",
+        "vllm:generation_tokens_total",
     ):
         assert name in metrics, name
-    assert metrics["hybridkv_time_to_first_token_seconds_count"] > 0
-    assert metrics["hybridkv_generation_tokens_total"] > 0
+    assert metrics["vllm:time_to_first_token_seconds_count"] > 0
+    assert metrics["vllm:generation_tokens_total"] > 0
 
 
 def test_penalties_and_logit_bias_match_the_offline_engine(client: Any, offline: LLM) -> None:

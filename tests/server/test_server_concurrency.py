@@ -56,7 +56,7 @@ def stream_one(base_url: str, i: int, start: threading.Barrier) -> dict[str, Any
 
 
 def test_32_streams_with_a_third_disconnecting(live: Any, http: httpx.Client) -> None:
-    before = scrape(http)["hybridkv_generation_tokens_total"]
+    before = scrape(http)["vllm:generation_tokens_total"]
     start = threading.Barrier(NUM_CLIENTS)
     with ThreadPoolExecutor(NUM_CLIENTS) as pool:
         futures = [pool.submit(stream_one, live.base_url, i, start) for i in range(NUM_CLIENTS)]
@@ -75,11 +75,11 @@ def test_32_streams_with_a_third_disconnecting(live: Any, http: httpx.Client) ->
         assert usage["completion_tokens"] == COMPLETE_TOKENS
         completion_tokens += usage["completion_tokens"]
     metrics = wait_idle(http, timeout_s=20)
-    assert metrics["hybridkv_num_requests_running"] == 0
-    assert metrics["hybridkv_num_requests_waiting"] == 0
-    assert all(v == 0 for k, v in metrics.items() if k.startswith("hybridkv_pages_used{")), metrics
-    assert metrics["hybridkv_state_pages_used"] == 0
-    abandoned = metrics["hybridkv_generation_tokens_total"] - before - completion_tokens
+    assert metrics["vllm:num_requests_running"] == 0
+    assert metrics["vllm:num_requests_waiting"] == 0
+    assert all(v == 0 for k, v in metrics.items() if k.startswith("hybridkv:pages_used{")), metrics
+    assert metrics["hybridkv:state_pages_used"] == 0
+    abandoned = metrics["vllm:generation_tokens_total"] - before - completion_tokens
     print(f"abandoned streams generated {abandoned:.0f} tokens")
     assert abandoned < 11 * ABANDONED_TOKENS / 2, f"disconnected streams ran on: {abandoned}"
     assert not live.engine.scheduler.running and not live.engine.scheduler.waiting
@@ -89,7 +89,7 @@ def test_32_streams_with_a_third_disconnecting(live: Any, http: httpx.Client) ->
 
 def test_non_streaming_client_timeout_aborts(http: httpx.Client, live: Any) -> None:
     """A client that gives up on a non-streaming request gets its request cancelled too."""
-    before = scrape(http)["hybridkv_generation_tokens_total"]
+    before = scrape(http)["vllm:generation_tokens_total"]
     body = {"model": MODEL_NAME, "prompt": "Tell me", "max_tokens": 240, "ignore_eos": True}
     try:
         with httpx.Client(base_url=live.base_url, timeout=0.3) as impatient:
@@ -97,5 +97,5 @@ def test_non_streaming_client_timeout_aborts(http: httpx.Client, live: Any) -> N
     except httpx.TimeoutException:
         pass
     metrics = wait_idle(http, timeout_s=20)
-    generated = metrics["hybridkv_generation_tokens_total"] - before
+    generated = metrics["vllm:generation_tokens_total"] - before
     assert generated < 240, f"the abandoned request ran to {generated} tokens"

@@ -1,0 +1,197 @@
+"""Start-up as a vLLM user meets it: the capacity report (== ``hybridkv plan``), the cache
+size from gpu_memory_utilization, a lowered max_model_len that says why, generation_config
+defaults, vLLM's options accepted, and ``LLM`` used from two threads at once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shlex
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_checkpoints import ARCH, OPTIONS
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.cli import main
+from hybridkv.core.units import GIB
+from hybridkv.engine import startup
+
+PROMPTS = ["Hello there", "What is the capital", "Once upon a time", "one two three four"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(checkpoints: Any) -> Path:
+    return checkpoints(ARCH)[1]
+
+
+def with_generation_config(src: Path, dst: Path, **fields: Any) -> Path:
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "generation_config.json").read_text())
+    (dst / "generation_config.json").write_text(json.dumps(config | fields))
+    return dst
+
+
+# ---------------------------------------------------------------------- capacity report
+
+
+def plan_json(command: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    argv = shlex.split(command)
+    assert argv[:2] == ["hybridkv", "plan"]
+    capsys.readouterr()
+    assert main([*argv[1:], "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"cache_memory_gib": 0.02, "max_num_seqs": 8, "max_model_len": 512},
+        {"cache_memory_gib": 0.003, "max_num_seqs": 64, "block_size": 32},
+    ],
+    ids=["kv-binds", "long-default"],
+)
+def test_startup_report_equals_hybridkv_plan(
+    ckpt: Path, options: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    llm = LLM(str(ckpt), **options)
+    stats = llm.stats()
+    command = next(line for line in llm.capacity_report if "hybridkv plan" in line)
+    expected = plan_json(command.split(": ", 1)[1], capsys)
+    assert stats["capacity"] == expected | {"model": stats["capacity"]["model"]}
+    assert stats["capacity_report"] == llm.capacity_report
+    concurrency = stats["capacity"]["concurrency"]
+    assert concurrency["effective"] == min(concurrency["joint"], options["max_num_seqs"])
+    line = next(line for line in llm.capacity_report if "max concurrency" in line)
+    assert f": {concurrency['effective']:,} sequence" in line
+    assert f"KV-bound {concurrency['kv_bound']:,}" in line
+    assert "unified page size" in " ".join(llm.capacity_report)
+
+
+def test_lowered_max_model_len_says_why_and_by_how_much(ckpt: Path) -> None:
+    llm = LLM(str(ckpt), cache_memory_gib=0.001, max_num_seqs=4)
+    native = json.loads((ckpt / "config.json").read_text())["max_position_embeddings"]
+    fits = llm.engine.max_model_len
+    assert fits < native
+    note = llm.capacity_report[0]
+    assert note.startswith(f"max_model_len lowered from the model's {native:,} to {fits:,}")
+    assert f"{native - fits:,} fewer" in note and "cache_memory_gib 0.001" in note
+
+
+def test_gpu_memory_utilization_is_a_fraction_of_available_memory(
+    ckpt: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(startup, "available_memory_bytes", lambda device: (GIB // 10, GIB))
+    llm = LLM(str(ckpt), gpu_memory_utilization=0.25, max_num_seqs=4, max_model_len=256)
+    assert llm.stats()["capacity"]["memory_bytes"] == int(0.25 * (GIB // 10))
+    assert "(gpu_memory_utilization 0.25 of the 0.1 GiB of RAM available)" in llm.capacity_report[0]
+    with pytest.raises(ValueError, match="not both"):
+        LLM(str(ckpt), gpu_memory_utilization=0.25, cache_memory_gib=1.0)
+
+
+# ---------------------------------------------------------------------- generation config
+
+
+def test_generation_config_top_k_1_makes_unseeded_requests_identical(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    greedy_by_file = with_generation_config(ckpt, tmp_path / "topk1", top_k=1, max_new_tokens=6)
+    llm = LLM(str(greedy_by_file), **OPTIONS)
+    assert llm.get_default_sampling_params().top_k == 1
+    outs = [llm.generate(PROMPTS[0], use_tqdm=False)[0].outputs[0].token_ids for _ in range(3)]
+    assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 6  # max_new_tokens applied
+    greedy = llm.generate(PROMPTS[0], SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert outs[0] == greedy[0].outputs[0].token_ids
+
+
+def test_generation_config_vllm_ignores_the_file_and_overrides_apply(
+    ckpt: Path, tmp_path: Path
+) -> None:
+    path = with_generation_config(ckpt, tmp_path / "g", top_k=1, temperature=0.7, do_sample=True)
+    ignored = LLM(str(path), generation_config="vllm", **OPTIONS)
+    assert ignored.engine.generation_defaults == {}
+    params = ignored.get_default_sampling_params()
+    assert (params.top_k, params.temperature) == (0, 1.0)  # vLLM's defaults
+    overridden = LLM(
+        str(path), override_generation_config={"temperature": 0.3, "top_p": 0.9}, **OPTIONS
+    )
+    assert overridden.engine.generation_defaults == {"temperature": 0.3, "top_k": 1, "top_p": 0.9}
+    elsewhere = LLM(str(ckpt), generation_config=str(path), **OPTIONS)
+    assert elsewhere.engine.generation_defaults == {"temperature": 0.7, "top_k": 1}
+    with pytest.raises(ValueError, match="no such file"):
+        LLM(str(ckpt), generation_config=str(tmp_path / "missing"), **OPTIONS)
+
+
+# ---------------------------------------------------------------------- vLLM's options
+
+
+def test_vllm_options_are_accepted(
+    ckpt: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
+    with caplog.at_level(logging.WARNING, logger="hybridkv"):
+        llm = LLM(
+            str(ckpt),
+            trust_remote_code=True,
+            tensor_parallel_size=1,
+            chat_template=str(template),
+            kv_cache_dtype="bfloat16",
+            **OPTIONS,
+        )
+    assert "no code from the checkpoint ever runs" in caplog.text
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is not None
+    assert tokenizer.render_chat([{"role": "user", "content": "hi"}]) == "[hi]"
+    kv = startup.spec_dtypes(llm.engine.spec)[0]
+    assert kv == "bfloat16"
+    out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    with pytest.raises(TypeError, match="enforce_eager"):
+        LLM(str(ckpt), enforce_eager=True)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])
+def test_fp8_kv_cache_runs_and_halves_kv_bytes(ckpt: Path, kv_cache_dtype: str) -> None:
+    fp32 = LLM(str(ckpt), **OPTIONS)
+    fp8 = LLM(str(ckpt), kv_cache_dtype=kv_cache_dtype, **OPTIONS)
+    assert fp8.engine.spec.kv_bytes_per_token * 4 == fp32.engine.spec.kv_bytes_per_token
+    params = SamplingParams(max_tokens=8, temperature=0)
+    out = fp8.generate(PROMPTS[2], params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 8 and out.error is None
+
+
+# ---------------------------------------------------------------------- threads
+
+
+def test_two_threads_calling_generate_get_their_own_correct_outputs(ckpt: Path) -> None:
+    llm = LLM(str(ckpt), **OPTIONS)
+    params = SamplingParams(max_tokens=12, temperature=0)
+    expected = {p: llm.generate(p, params, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS}
+    results: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def worker(index: int) -> None:
+        try:
+            barrier.wait()
+            mine = PROMPTS[index::2]
+            for _ in range(3):
+                outs = llm.generate(mine, params, use_tqdm=False)
+                results.setdefault(index, []).extend(o.outputs[0].token_ids for o in outs)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for index in range(2):
+        mine = PROMPTS[index::2]
+        assert results[index] == [expected[p] for p in mine] * 3
+    assert not llm.engine.has_unfinished_requests()
