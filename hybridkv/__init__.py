@@ -12,7 +12,7 @@ Packages, bottom to top (imports only point down this list; tests/test_layering.
 - ``models``: one file per architecture family, loading Hugging Face checkpoints.
 - ``engine``: ``LLMEngine`` and ``LLM``: inputs, runner, sampler, stop rules.
 - ``server``: the OpenAI-compatible HTTP server.
-- ``bench``, ``demo``: engine workloads; the embedded demo model.
+- ``bench``, ``demo``: engine workloads; the demo model shipped in the package and its recipe.
 - ``cli``: parses arguments and calls down.
 """
 

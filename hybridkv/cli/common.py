@@ -1,8 +1,8 @@
 """What the engine subcommands share: which checkpoint to load, the engine it builds, the
 flag names in error messages, and writing streamed text.
 
-``--model DIR`` is checked up front (one-line error); no ``--model`` means the embedded
-demo model, built on first use.
+``--model DIR`` is checked up front (one-line error); no ``--model`` means the demo model
+shipped in the package.
 """
 
 from __future__ import annotations
@@ -35,19 +35,18 @@ def check_model_dir(model: str) -> str:
 
 
 def model_or_demo(model: str | None) -> str:
-    """The checkpoint to load: ``model`` (checked), else the demo model, built on first use.
+    """The checkpoint to load: ``model`` (checked), else the demo model shipped in the package.
 
     Raises:
         ValueError: a bad ``model``, or no ``model`` and no demo model in this install.
     """
     if model is not None:
         return check_model_dir(model)
-    try:  # lazily: building it needs training code that other commands never load
-        from hybridkv.demo.build import build_demo_model
-    except ImportError as exc:
-        raise ValueError(f"no --model given and the demo model is unavailable ({exc})") from None
-    print("no --model: using the demo model (built on first use, then cached)", file=sys.stderr)
-    return str(build_demo_model(progress=sys.stderr.isatty()))
+    from hybridkv.demo import shipped_demo_dir
+
+    path = shipped_demo_dir()
+    print(f"no model given: using the demo model shipped in {path}", file=sys.stderr)
+    return str(path)
 
 
 def flag_error(exc: ValueError, args: argparse.Namespace) -> ValueError:

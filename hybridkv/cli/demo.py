@@ -1,19 +1,29 @@
-"""``hybridkv demo``: build the embedded demo model once, then chat with it for a few turns.
+"""``hybridkv demo``: what hybridkv does, in a scripted chat with the shipped demo model.
 
-Each turn's prompt is the whole conversation so far rendered with the chat template, as a
-chat client sends it, so the previous turn's prompt and reply come back as a prefix. After
-every turn the prefix-cache counters are printed: the cached share grows with the
-conversation, which is the point of a prefix cache for hybrid models (the recurrent state
-resumes from the snapshot taken where the last reply ended).
+It prints the startup capacity report (KV capacity over attention groups only, state
+slots, the concurrency cap and what binds it) beside what one unified page size would
+give, then chats for a few turns. Each turn's prompt is the whole conversation so far,
+rendered with the chat template as a chat client sends it, so the previous turn comes
+back as a prefix: the recurrent state resumes from the snapshot taken where the last
+reply ended. After every turn it prints the prompt tokens served from the prefix cache and
+the time to first token with caching on against a second engine with caching off (same
+model, same greedy reply).
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 from hybridkv.cli.common import build_engine, flag_error, write
 from hybridkv.cli.engine_args import add_engine_args
+
+if TYPE_CHECKING:
+    from hybridkv.engine import LLMEngine, RequestOutput, SamplingParams
+    from hybridkv.engine.inputs import PromptType
 
 SCRIPT = (
     "Hello!",
@@ -28,47 +38,94 @@ SYSTEM_PROMPT = "You are a helpful assistant."
 def add_demo_parser(commands: Any) -> None:
     p = commands.add_parser(
         "demo",
-        help="chat for a few turns with the embedded demo model, showing prefix-cache reuse",
-        description="Build the small demo checkpoint once (into $HYBRIDKV_CACHE_DIR or "
-        "~/.cache/hybridkv), then run a scripted multi-turn chat and print the prefix-cache "
-        "statistics after each turn.",
+        help="chat for a few turns with the shipped demo model, showing capacity and cache reuse",
+        description="Print the capacity report of the demo model (shipped in the package), "
+        "then run a scripted multi-turn chat, printing after each turn the prompt tokens "
+        "served from the prefix cache and the time to first token with caching on and off.",
     )
     add_engine_args(p, model_required=False)
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per reply at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument(
+        "--no-compare", action="store_true", help="skip the caching-off engine and its TTFT"
+    )
     p.set_defaults(run=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from hybridkv.cli.generate import stream_completions
-    from hybridkv.engine import SamplingParams
+    from hybridkv.engine import LLMEngine, SamplingParams
     from hybridkv.engine.llm import render_chat
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     except ValueError as exc:
         raise flag_error(exc, args) from None
+    start = time.perf_counter()
+    logging.getLogger("hybridkv.engine").setLevel(logging.WARNING)  # the report is printed
     engine = build_engine(args)
     tokenizer = engine.tokenizer
     if tokenizer is None or tokenizer.chat_template is None:
         raise ValueError(f"{engine.config.model} has no chat template: the demo needs one")
+    baseline = None
+    if not args.no_compare:
+        baseline = LLMEngine(
+            replace(engine.config, enable_prefix_caching=False, mamba_cache_mode=None)
+        )
+        # the process's one-time costs (first forward) on the engine whose stats nobody reads
+        _reply(
+            baseline,
+            {"prompt_token_ids": render_chat(tokenizer, [{"role": "user", "content": "Hi"}])},
+            replace(params, max_tokens=1),
+            stream=False,
+        )
+    write(f"model {engine.config.model}: ready in {time.perf_counter() - start:.1f} s\n")
+    write("\ncapacity (the numbers `hybridkv plan` prints for these settings):\n")
+    write("".join(f"  {line}\n" for line in engine.capacity_report))
     messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM_PROMPT}]
     for turn, question in enumerate(SCRIPT, start=1):
         messages.append({"role": "user", "content": question})
-        prompt = {"prompt_token_ids": render_chat(tokenizer, messages)}
+        prompt: PromptType = {"prompt_token_ids": render_chat(tokenizer, messages)}
         write(f"\n[turn {turn}] user: {question}\nassistant: ")
-        (out,) = stream_completions(engine, [prompt], params, write)
+        out = _reply(engine, prompt, params)
         messages.append({"role": "assistant", "content": out.outputs[0].text})
-        print_turn_stats(out.num_cached_tokens, len(out.prompt_token_ids), engine.stats())
+        other = None if baseline is None else _reply(baseline, prompt, params, stream=False)
+        print_turn_stats(out, other, engine.stats())
     return 0
 
 
-def print_turn_stats(cached: int, prompt_tokens: int, stats: dict[str, Any]) -> None:
-    """One line per turn: this prompt's cached share, then the cache's running totals."""
+def _reply(
+    engine: LLMEngine, prompt: PromptType, params: SamplingParams, stream: bool = True
+) -> RequestOutput:
+    from hybridkv.cli.generate import stream_completions
+
+    (out,) = stream_completions(engine, [prompt], params, write if stream else _discard)
+    return out
+
+
+def _discard(text: str) -> None:
+    pass
+
+
+def _ms(out: RequestOutput | None) -> float | None:
+    if out is None or out.metrics is None or out.metrics.time_to_first_token is None:
+        return None
+    return 1000 * out.metrics.time_to_first_token
+
+
+def print_turn_stats(
+    out: RequestOutput, without: RequestOutput | None, stats: dict[str, Any]
+) -> None:
+    """Per turn: this prompt's cached share, TTFT with and without caching, running totals."""
+    prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
     share = cached / prompt_tokens if prompt_tokens else 0.0
+    on, off = _ms(out), _ms(without)
+    ttft = f"; first token after {on:.0f} ms" if on is not None else ""
+    if on is not None and off is not None and without is not None:
+        same = without.outputs[0].token_ids == out.outputs[0].token_ids
+        ttft += f" with caching, {off:.0f} ms without ({'same' if same else 'DIFFERENT'} reply)"
     write(
-        f"  · prompt {prompt_tokens} tokens, {cached} from the prefix cache ({share:.0%}); "
-        f"all turns: {stats['prefix_cache_hits']}/{stats['prefix_cache_queries']} tokens hit "
-        f"({stats['prefix_cache_hit_rate']:.0%}), {stats['state_snapshots_taken']} state "
-        f"snapshots taken\n"
+        f"  · prompt {prompt_tokens} tokens, {cached} from the prefix cache ({share:.0%}){ttft}\n"
+        f"  · all turns: {stats['prefix_cache_hits']}/{stats['prefix_cache_queries']} prompt "
+        f"tokens hit ({stats['prefix_cache_hit_rate']:.0%}), {stats['state_snapshots_taken']} "
+        f"state snapshots taken, {stats['prefix_cache_hybrid_misses']} hybrid misses\n"
     )

@@ -27,7 +27,7 @@ def add_generate_parser(commands: Any) -> None:
         "generate",
         help="complete prompts from the command line, streaming the text",
         description="Run PROMPT(s) through the engine and stream the completions to the "
-        "terminal. Without --model, the embedded demo model is used (built on first use).",
+        "terminal. Without --model, the demo model shipped in the package is used.",
     )
     add_engine_args(p, model_required=False)
     sampling = p.add_argument_group(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -105,11 +105,18 @@ def train(
     seq_tokens: int,
     learning_rate: float,
     progress: bool,
+    stop_after: int | None = None,
+    on_step: Callable[[int], None] | None = None,
 ) -> list[float]:
     """AdamW with warm-up and cosine decay on windows that start at document starts.
 
+    Args:
+        stop_after: run only the first steps of the ``num_steps`` schedule (the cheap
+            fingerprint of a recipe: its first steps, exactly as the full run takes them).
+        on_step: called with the number of steps done after each step.
+
     Returns:
-        the training loss of every step.
+        the training loss of every step run.
     """
     gen = torch.Generator().manual_seed(seed + 2)
     length, rows = seq_tokens, batch_seqs
@@ -120,8 +127,9 @@ def train(
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor(num_steps))
     losses: list[float] = []
     model.train()
-    with _progress_bar(progress, num_steps) as advance:
-        for _ in range(num_steps):
+    steps = num_steps if stop_after is None else min(stop_after, num_steps)
+    with _progress_bar(progress, steps) as advance:
+        for step in range(steps):
             offsets = starts[torch.randint(len(starts), (rows,), generator=gen)]
             window = stream[offsets[:, None] + torch.arange(length + 1)]  # [rows, length + 1]
             batch, views = dense_batch(spec, length, rows)
@@ -134,6 +142,8 @@ def train(
             schedule.step()
             losses.append(loss.item())
             advance(losses[-1])
+            if on_step is not None:
+                on_step(step + 1)
     model.eval()
     return losses
 

@@ -186,12 +186,10 @@ def test_demo_with_model_override_shows_growing_hits(
     assert all(a < b for a, b in itertools.pairwise(cached))
 
 
-def test_no_model_uses_the_demo_model(
-    model_dir: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    demo_model = pytest.importorskip("hybridkv.demo.build")
-    monkeypatch.setattr(demo_model, "build_demo_model", lambda **_: Path(model_dir))
+def test_no_model_uses_the_shipped_demo_model(capsys: pytest.CaptureFixture[str]) -> None:
+    from hybridkv.demo import SHIPPED_DIR
+
     code, out, err = run(capsys, "generate", *SMALL_CACHE, "--max-tokens", "4", "hi")
     assert code == 0, err
     assert out.strip()
-    assert "demo model" in err
+    assert f"using the demo model shipped in {SHIPPED_DIR}" in err

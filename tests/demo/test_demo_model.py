@@ -1,37 +1,69 @@
-"""The embedded demo model: built once and atomically, loadable, chat-ready, and trained.
+"""The demo model shipped in the package: complete, what its recipe makes, chat-ready, and
+answering the demo script; the recipe's build mechanics on cheap variants.
 
-The default recipe is built once per module (about a minute on two idle cores); the build
-mechanics use variants of 0-2 steps, which land in their own directories.
+The suite never trains the full model (tens of CPU-minutes): the shipped files are tied to
+the recipe by the corpus and tokenizer hashes, the config, and the weights after the
+recipe's first steps (``recipe_fingerprint``), which the full build recorded.
+``python -m hybridkv.demo.build --verify`` is the full, bit-for-bit check.
 """
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
+import itertools
 import json
 import string
+import tomllib
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
+from tokenizers import Tokenizer as HFTokenizer
 
 import hybridkv.demo.build as demo
 import hybridkv.demo.train as demo_train
+from hybridkv import LLM, SamplingParams
+from hybridkv.cli import main
+from hybridkv.cli.demo import SCRIPT, SYSTEM_PROMPT
+from hybridkv.demo import COMPLETE_MARKER, SHIPPED_DIR, is_complete, shipped_demo_dir
 from hybridkv.demo.build import (
     CHAT_TEMPLATE,
-    COMPLETE_MARKER,
     DEMO_MODEL_NAME,
+    DemoRecipe,
     build_demo_model,
     demo_model_dir,
-    is_complete,
 )
 from hybridkv.demo.corpus import documents
 from hybridkv.models.loader import LoadedModel, load_model
 from tests.models.paged_runner import PagedRunner
 
+# The demo script's answers, as the corpus states them.
+EXPECTED_REPLIES = {
+    "What color is the sky?": ["The sky is blue."],
+    "What does a cow say?": ['A cow says "moo".'],
+    "What is the capital of France?": ["The capital of France is Paris."],
+    "Hello!": ["Hello! How can I help you today?", "Hi! What would you like to talk about?"],
+    "Thank you!": ["You are welcome!", "Happy to help."],
+}
+# Questions the shipped checkpoint answers wrongly (an xfail, strict: a checkpoint that gets
+# them right fails here until the entry goes). 600 steps of the recipe mix up the capitals.
+KNOWN_WRONG = {
+    "What is the capital of France?": "600 steps answer 'The capital of Germany is Berlin.'",
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="module")
-def trained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_demo_model(tmp_path_factory.mktemp("cache"), progress=False)
+def metadata() -> dict:
+    return json.loads((SHIPPED_DIR / COMPLETE_MARKER).read_text())
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +72,8 @@ def untrained_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def trained(trained_dir: Path) -> LoadedModel:
-    return load_model(trained_dir, "float32")
+def trained() -> LoadedModel:
+    return load_model(shipped_demo_dir(), "float32")
 
 
 def held_out_loss(lm: LoadedModel, num_docs: int = 12) -> float:
@@ -70,6 +102,98 @@ def greedy_reply(lm: LoadedModel, question: str, max_tokens: int = 48) -> tuple[
 
 
 # ---------------------------------------------------------------------- building
+
+
+# ---------------------------------------------------------------------- the shipped files
+
+
+def test_shipped_checkpoint_is_complete_small_and_half_precision(metadata: dict) -> None:
+    assert is_complete(SHIPPED_DIR)
+    assert metadata["recipe"] == asdict(DemoRecipe()) and metadata["name"] == DEMO_MODEL_NAME
+    weights = SHIPPED_DIR / "model.safetensors"
+    assert hashlib.sha256(weights.read_bytes()).hexdigest() == metadata["model_sha256"]
+    assert weights.stat().st_size < 3 << 20  # ~1M parameters in float16
+    with safe_open(str(weights), framework="pt") as f:
+        assert {f.get_slice(n).get_dtype() for n in f.keys()} == {"F16"}  # noqa: SIM118
+    assert json.loads((SHIPPED_DIR / "config.json").read_text())["dtype"] == "float16"
+
+
+def test_shipped_checkpoint_is_declared_package_data() -> None:
+    """A wheel carries every file of the checkpoint (pyproject's package-data globs)."""
+    pyproject = tomllib.loads((SHIPPED_DIR.parents[2] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["hybridkv.demo"]
+    for path in SHIPPED_DIR.iterdir():
+        assert any(fnmatch.fnmatch(f"checkpoint/{path.name}", g) for g in globs), path.name
+
+
+def test_shipped_files_are_what_the_recipe_makes(metadata: dict) -> None:
+    """Corpus and tokenizer exactly, the config, and the weights after the recipe's first
+    steps against the figures the full build recorded at that step."""
+    shipped = metadata["fingerprint"]
+    fresh = demo.recipe_fingerprint()
+    assert fresh["steps"] == shipped["steps"] == demo.FINGERPRINT_STEPS
+    assert fresh["corpus_sha256"] == shipped["corpus_sha256"]
+    assert fresh["tokenizer_sha256"] == shipped["tokenizer_sha256"]
+    tokenizer = HFTokenizer.from_file(str(SHIPPED_DIR / "tokenizer.json"))
+    assert hashlib.sha256(tokenizer.to_str().encode()).hexdigest() == shipped["tokenizer_sha256"]
+    config = demo.model_config(DemoRecipe(), tokenizer) | {"dtype": DemoRecipe().storage_dtype}
+    assert json.loads((SHIPPED_DIR / "config.json").read_text()) == config
+    assert fresh["weights"].keys() == shipped["weights"].keys()
+    for name, (total, magnitude) in shipped["weights"].items():
+        got_total, got_magnitude = fresh["weights"][name]
+        assert got_magnitude == pytest.approx(magnitude, rel=1e-5, abs=1e-6), name
+        assert got_total == pytest.approx(total, rel=1e-4, abs=1e-3 * magnitude / 100), name
+
+
+@pytest.fixture(scope="module")
+def script_replies() -> dict[str, tuple[str, str | None]]:
+    """The shipped model's greedy reply and finish reason to each question of the script,
+    asked in one conversation as ``hybridkv demo`` asks them."""
+    llm = LLM(str(shipped_demo_dir()), cache_memory_gib=0.05)
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    replies = {}
+    for question in SCRIPT:
+        messages.append({"role": "user", "content": question})
+        (out,) = llm.chat(messages, SamplingParams(max_tokens=48, temperature=0), use_tqdm=False)
+        replies[question] = (out.outputs[0].text, out.outputs[0].finish_reason)
+        messages.append({"role": "assistant", "content": out.outputs[0].text})
+    return replies
+
+
+@pytest.mark.parametrize(
+    "question",
+    [
+        pytest.param(q, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[q]))
+        if q in KNOWN_WRONG
+        else q
+        for q in SCRIPT
+    ],
+)
+def test_shipped_model_answers_the_demo_script(
+    script_replies: dict[str, tuple[str, str | None]], question: str
+) -> None:
+    reply, finish_reason = script_replies[question]
+    assert finish_reason == "stop", (question, reply)
+    assert reply in EXPECTED_REPLIES[question], (question, reply)
+
+
+def test_hybridkv_demo_shows_capacity_cache_reuse_and_ttft(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo", "--cache-memory-gib", "0.05"]) == 0
+    out = capsys.readouterr().out
+    assert "KV capacity (attention groups only)" in out and "unified page size" in out
+    assert "max concurrency at max_model_len" in out and "hybridkv plan" in out
+    turns = [line for line in out.splitlines() if "from the prefix cache" in line]
+    assert len(turns) == len(SCRIPT)
+    cached = [int(line.split(", ")[1].split()[0]) for line in turns]
+    assert cached[0] == 0 and all(a < b for a, b in itertools.pairwise(cached))
+    assert all("with caching" in t and "without (same reply)" in t for t in turns)
+    for question, replies in EXPECTED_REPLIES.items():
+        assert any(r in out for r in replies) or question in KNOWN_WRONG, question
+
+
+# ---------------------------------------------------------------------- building variants
 
 
 def test_second_call_returns_the_directory_without_rebuilding(
@@ -107,15 +231,6 @@ def test_interrupted_build_leaves_no_directory(
     path = build_demo_model(tmp_path, progress=False, num_steps=0)
     assert is_complete(path)
     assert not list(tmp_path.glob("*.tmp-*"))
-
-
-def test_default_cache_dir_follows_the_environment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("HYBRIDKV_CACHE_DIR", str(tmp_path))
-    assert demo_model_dir() == tmp_path / DEMO_MODEL_NAME
-    monkeypatch.delenv("HYBRIDKV_CACHE_DIR")
-    assert demo_model_dir() == Path.home() / ".cache" / "hybridkv" / DEMO_MODEL_NAME
 
 
 def test_tokenizer_training_is_deterministic() -> None:
@@ -167,19 +282,16 @@ def test_chat_template_and_eos(trained: LoadedModel) -> None:
 # ---------------------------------------------------------------------- training
 
 
-@pytest.mark.slow
 def test_training_lowers_held_out_loss(
-    trained_dir: Path, trained: LoadedModel, untrained_dir: Path
+    metadata: dict, trained: LoadedModel, untrained_dir: Path
 ) -> None:
     before = held_out_loss(load_model(untrained_dir, "float32"))
     after = held_out_loss(trained)
     assert before > 6.0  # about ln(1024): the untrained model guesses
-    assert after < 1.5, (before, after)
-    summary = json.loads((trained_dir / COMPLETE_MARKER).read_text())
-    assert summary["held_out_loss_after"] < summary["held_out_loss_before"] - 4
+    assert after < 1.0, (before, after)
+    assert metadata["held_out_loss_after"] < metadata["held_out_loss_before"] - 5
 
 
-@pytest.mark.slow
 def test_greedy_chat_reply_is_corpus_like_text(trained: LoadedModel) -> None:
     reply, ended = greedy_reply(trained, "What color is the grass?")
     allowed = set(string.ascii_letters + string.digits + " .,!?'\"\n")
