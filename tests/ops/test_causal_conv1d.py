@@ -5,8 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from ops_checks import RAGGED_TOKENS, check_varlen_batch
+from torch import Tensor
 
-from hybridkv.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_paged, causal_conv1d_update
+from hybridkv.ops.causal_conv1d import (
+    causal_conv1d_fn,
+    causal_conv1d_paged,
+    causal_conv1d_update,
+    causal_conv1d_varlen,
+)
+from hybridkv.ops.causal_conv1d import paged as conv_module
+from hybridkv.ops.paged_state import StateBatch
 
 C, K = 10, 4
 
@@ -78,3 +87,31 @@ def test_paged_varlen_reads_and_writes_pages() -> None:
         torch.testing.assert_close(out[lo:hi], o)
         torch.testing.assert_close(pages[page], s)
     assert torch.isnan(pages[1]).all() and torch.isnan(pages[3]).all()
+
+
+@pytest.mark.parametrize("block_tokens", [None, 40], ids=["one_block", "blocks"])
+@pytest.mark.parametrize("with_captures", [False, True], ids=["no_capture", "captures"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_varlen_equals_each_request_alone(
+    page_dtype: torch.dtype,
+    bias: bool,
+    with_captures: bool,
+    block_tokens: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ragged prefills and decodes in one pass == the chunk reference per request; a
+    captured state == the last K-1 inputs up to its row (initial state included)."""
+    if block_tokens is not None:  # many small blocks of requests
+        monkeypatch.setattr(conv_module, "BLOCK_TOKENS", block_tokens)
+    weight, b = params(1)
+    b = b if bias else None
+    x = torch.randn(RAGGED_TOKENS, C, generator=torch.Generator().manual_seed(2))
+
+    def run_varlen(view: Tensor, states: StateBatch) -> Tensor:
+        return causal_conv1d_varlen(x, view, states, weight, b, "silu")
+
+    def run_alone(part: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
+        return causal_conv1d_fn(x[part], weight, b, init, "silu")
+
+    check_varlen_batch((C, K - 1), page_dtype, run_varlen, run_alone, with_captures)

@@ -9,10 +9,12 @@ package kernel would be dispatched here; none is installed on CPU.
 
 from __future__ import annotations
 
-from hybridkv.ops.causal_conv1d.naive import (
-    causal_conv1d_fn,
-    causal_conv1d_paged,
-    causal_conv1d_update,
-)
+from hybridkv.ops.causal_conv1d.naive import causal_conv1d_fn, causal_conv1d_update
+from hybridkv.ops.causal_conv1d.paged import causal_conv1d_paged, causal_conv1d_varlen
 
-__all__ = ["causal_conv1d_fn", "causal_conv1d_paged", "causal_conv1d_update"]
+__all__ = [
+    "causal_conv1d_fn",
+    "causal_conv1d_paged",
+    "causal_conv1d_update",
+    "causal_conv1d_varlen",
+]

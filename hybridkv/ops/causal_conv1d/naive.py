@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from hybridkv.ops.paged_state import run_on_state_pages
 
-
-def _activate(x: Tensor, activation: str | None) -> Tensor:
+def activate(x: Tensor, activation: str | None) -> Tensor:
+    """The conv's activation: None or silu."""
     if activation is None:
         return x
     if activation in ("silu", "swish"):
@@ -49,7 +48,7 @@ def causal_conv1d_fn(
     full = torch.cat([initial_state.to(weight.dtype), xc], dim=-1)  # [C, K-1+n]
     out = F.conv1d(full[None], weight[:, None, :], bias, groups=channels)[0]  # [C, n]
     final_state = full[:, full.shape[-1] - (kernel - 1) :]  # [C, K-1]
-    return _activate(out, activation).transpose(0, 1).to(x.dtype), final_state
+    return activate(out, activation).transpose(0, 1).to(x.dtype), final_state
 
 
 def causal_conv1d_update(
@@ -74,38 +73,4 @@ def causal_conv1d_update(
     if bias is not None:
         out = out + bias
     conv_state.copy_(full[:, :, 1:])
-    return _activate(out, activation).to(x.dtype)
-
-
-def causal_conv1d_paged(
-    x: Tensor,
-    conv_pages: Tensor,
-    state_pages: Tensor,
-    has_initial_state: list[bool],
-    starts: list[int],
-    weight: Tensor,
-    bias: Tensor | None,
-    activation: str | None = None,
-) -> Tensor:
-    """Varlen conv over a flat batch, reading and writing each request's state page.
-
-    Args:
-        x: [T, C] request-major rows; starts: R+1 row offsets.
-        conv_pages: [num_pages, C, K-1] the layer's state view (written in place).
-        state_pages: [R] live state page of each request.
-        has_initial_state: per request; False starts from zeros (the page holds garbage).
-
-    Returns:
-        [T, C]
-    """
-
-    def step(rows: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-        return causal_conv1d_update(x[rows], state, weight, bias, activation), state
-
-    def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
-        return causal_conv1d_fn(x[rows], weight, bias, initial, activation)
-
-    out = torch.empty_like(x)
-    return run_on_state_pages(
-        out, conv_pages, state_pages, has_initial_state, starts, step, scan, weight.dtype
-    )
+    return activate(out, activation).to(x.dtype)

@@ -1,0 +1,114 @@
+"""Causal conv1d over a step's flat varlen batch, each request's state in its page.
+
+Requests (prefill chunks and decodes alike) run in blocks of consecutive requests, each in
+one pass over a :class:`~hybridkv.ops.state_layouts.ConvBlock` axis, which puts each
+request's carried inputs before its rows: the output of a row is the K-tap window ending
+at it, and a state (final or captured) is the K-1 inputs ending at its row. Blocks keep
+the arrays in cache (one pass over a whole 8192-row step was slower than the per-request
+loop it replaced). Sums run in fp32 and are rounded to the weight dtype before the
+activation, as ``nn.Conv1d`` in that dtype rounds them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from hybridkv.ops.causal_conv1d.naive import activate, causal_conv1d_fn
+from hybridkv.ops.paged_state import (
+    StateBatch,
+    needs_grad,
+    read_states,
+    scan_each_request,
+    write_states,
+)
+from hybridkv.ops.state_layouts import ConvBlock
+from hybridkv.ops.workspace import WORKSPACE
+
+BLOCK_TOKENS = 512  # rows per block of consecutive requests (keeps the conv in cache)
+
+
+def causal_conv1d_varlen(
+    x: Tensor,
+    conv_pages: Tensor,
+    states: StateBatch,
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None = None,
+) -> Tensor:
+    """Convolve every request of a step, reading and writing its state page in place.
+
+    Args:
+        x: [T, C] request-major rows.
+        conv_pages: [num_pages, C, K-1] the layer's state view (any float dtype).
+        states: the step's rows, live pages and captures for this layer's group.
+        weight: [C, K] depthwise taps; bias: [C] or None. activation: None or "silu".
+
+    Returns:
+        [T, C] in x's dtype.
+    """
+    out = torch.empty_like(x)
+    if needs_grad(x, weight, bias):
+
+        def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
+            return causal_conv1d_fn(x[rows], weight, bias, initial, activation)
+
+        return scan_each_request(out, conv_pages, states, scan)
+    taps = weight.float().T.contiguous()  # [K, C]: contiguous rows vectorise the taps
+    bias = None if bias is None else bias.float()
+    for block in states.conv(weight.shape[1], BLOCK_TOKENS):
+        fresh = None if states.fresh is None else states.fresh[block.reqs]
+        y = _conv_block(
+            x[block.rows], conv_pages, states.pages[block.reqs], fresh, block, taps, bias
+        )
+        out[block.rows] = activate(y.to(weight.dtype), activation)
+    return out
+
+
+def _conv_block(
+    x: Tensor,
+    conv_pages: Tensor,
+    pages: Tensor,
+    fresh: Tensor | None,
+    block: ConvBlock,
+    taps: Tensor,
+    bias: Tensor | None,
+) -> Tensor:
+    """The conv sums of one block's rows [Tb, C] in fp32 (before rounding and activation);
+    its final and captured states written to their pages."""
+    channels, keep = x.shape[1], taps.shape[0] - 1
+    ext = WORKSPACE.get("conv.ext", (block.ext_tokens, channels), torch.float32, x.device)
+    carried = read_states(conv_pages, pages, fresh, "conv.state")  # [Rb, C, K-1]
+    ext.index_copy_(0, block.state_rows, carried.transpose(1, 2).reshape(-1, channels))
+    ext.index_copy_(0, block.x_rows, x.float())
+
+    # acc[j] = bias + sum_k w[:, k] * ext[j + k]: the window of the row at ext row j + K-1
+    windows = block.ext_tokens - keep
+    acc = WORKSPACE.get("conv.acc", (windows, channels), torch.float32, x.device)
+    torch.mul(ext[keep:], taps[keep], out=acc)
+    for tap in range(keep):
+        acc.addcmul_(ext[tap : tap + windows], taps[tap])
+    if bias is not None:
+        acc.add_(bias)
+
+    final = ext.index_select(0, block.final_rows).view(-1, keep, channels)  # [Rb, K-1, C]
+    write_states(conv_pages, pages, final.transpose(1, 2), "conv.state")
+    if block.capture_rows is not None and block.capture_pages is not None:
+        captured = ext.index_select(0, block.capture_rows).view(-1, keep, channels)
+        write_states(conv_pages, block.capture_pages, captured.transpose(1, 2), "conv.capture")
+    return acc.index_select(0, block.x_rows - keep)
+
+
+def causal_conv1d_paged(
+    x: Tensor,
+    conv_pages: Tensor,
+    state_pages: Tensor,
+    has_initial_state: list[bool],
+    starts: list[int],
+    weight: Tensor,
+    bias: Tensor | None,
+    activation: str | None = None,
+) -> Tensor:
+    """:func:`causal_conv1d_varlen` for a caller without a step's :class:`StateBatch`."""
+    states = StateBatch(starts, state_pages, has_initial_state)
+    return causal_conv1d_varlen(x, conv_pages, states, weight, bias, activation)

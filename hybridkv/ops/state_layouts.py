@@ -1,0 +1,307 @@
+"""Index layouts that batch a step's ragged requests for the recurrent ops.
+
+Built once per step and group (:class:`~hybridkv.ops.paged_state.StateBatch` caches them),
+on the host from the step's :class:`StepRows`, then moved to the device: the ops run on
+these tensors, with no Python loop per request.
+
+``ChunkLayout`` (chunked forms: delta rule, SSD). Every multi-token request is cut into
+chunks of ``chunk_tokens`` rows (the last one zero-padded) and the chunks are stacked
+chunk-index-major, requests sorted by chunk count, so chunk ``i`` of every request still
+running is one contiguous slice and their states are a prefix of the state batch::
+
+    requests (sorted)  A: 3 chunks   B: 2 chunks   C: 1 chunk
+    chunk ids          step 0: A0 B0 C0 | step 1: A1 B1 | step 2: A2
+    states             step 0: S[:3]    | step 1: S[:2] | step 2: S[:1]
+
+The requests of a step are split into blocks of a few hundred padded rows, each with its
+own layout: one pass over a whole step's chunk tensors (16 MB each for 64 x 128 GDN rows)
+streamed through memory and ran no faster than the per-request loop it replaced, while a
+block's tensors stay in cache. ``TokenLayout`` (token loops: Mamba1) is the same with one
+token per step. ``ConvBlock`` (causal conv) interleaves each request's carried inputs with
+its rows in one axis.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+PAD_MULTIPLE = 16  # chunk lengths are multiples of this (or the op's own maximum)
+
+
+@dataclass(frozen=True, eq=False)
+class StepRows:
+    """What the layouts are built from: a step's row offsets, live pages, initial-state
+    flags and captures, on the host (request ``r`` owns rows ``starts[r]..starts[r+1]``)."""
+
+    starts: list[int]
+    pages: Tensor  # [R] live state page of each request, on the ops' device
+    has_initial_state: list[bool]
+    captures: list[tuple[int, int, int]]  # (request, offset of the row in it, capture page)
+
+    @property
+    def lens(self) -> list[int]:
+        return [b - a for a, b in itertools.pairwise(self.starts)]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.starts[-1]
+
+    def interior_captures(self) -> list[tuple[int, int, int]]:
+        """The captures before their request's last row (the others copy its final page)."""
+        lens = self.lens
+        return [(r, pos, page) for r, pos, page in self.captures if pos != lens[r] - 1]
+
+
+class StepCaptures(NamedTuple):
+    """Interior captures falling in one step of a chunk or token loop."""
+
+    index: Tensor  # [c] position among the requests running at this step
+    offset: Tensor  # [c] row within the chunk (always 0 for token loops)
+    pages: Tensor  # [c] capture pages
+
+
+def choose_chunk_tokens(lens: list[int], max_chunk_tokens: int) -> int:
+    """Chunk length for a step: the op's chunk, shortened when every request is shorter.
+
+    A short chunk (a speculative window, a prompt tail) then pads to the next multiple of
+    16 rather than to the op's full chunk; longer requests keep the op's chunk length.
+    """
+    longest = -(-max(lens) // PAD_MULTIPLE) * PAD_MULTIPLE
+    return min(max_chunk_tokens, longest)
+
+
+@dataclass(frozen=True, eq=False)
+class ChunkLayout:
+    """Multi-token requests in zero-padded chunks, stacked chunk-index-major (see module)."""
+
+    chunk_tokens: int
+    num_chunks: int
+    rows: Tensor  # [Tp] the requests' rows of the flat token axis, in order
+    slots: Tensor  # [Tp] slot of each row in the padded axis [num_chunks * chunk_tokens]
+    steps: list[tuple[int, int]]  # step i: (first chunk id, number of requests running)
+    pages: Tensor  # [Rp] live state page of each request, sorted
+    fresh: Tensor | None  # [Rp] bool, sorted; None when every request carries a state
+    captures: list[StepCaptures | None]  # per step
+
+    def pad_heads_first(self, x: Tensor) -> Tensor:
+        """[T, H, ...] rows -> [num_chunks, H, chunk_tokens, ...], zeros between."""
+        out = x.new_zeros(self.num_chunks, x.shape[1], self.chunk_tokens, *x.shape[2:])
+        chunk, pos = self.slots // self.chunk_tokens, self.slots % self.chunk_tokens
+        out[chunk, :, pos] = x.index_select(0, self.rows)
+        return out
+
+    def unpad(self, y: Tensor) -> Tensor:
+        """[num_chunks * chunk_tokens, ...] -> [Tp, ...], one row per entry of ``rows``."""
+        return y.index_select(0, self.slots)
+
+
+def _sorted_by_count(counts: Tensor) -> tuple[Tensor, Tensor, list[int]]:
+    """(order, rank of each entry in it, how many entries exceed each step index)."""
+    order = torch.argsort(counts, descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(order.numel())
+    ends = torch.bincount(counts)  # ends[c]: entries that stop after c steps
+    running = (counts.numel() - ends.cumsum(0))[:-1]  # [max count]
+    return order, rank, running.tolist()
+
+
+def _step_captures(
+    hits: list[tuple[int, int, int, int]], num_steps: int, device: torch.device
+) -> list[StepCaptures | None]:
+    """(step, index, offset, page) hits grouped by step, as tensors."""
+    per_step: list[list[tuple[int, int, int]]] = [[] for _ in range(num_steps)]
+    for step, index, offset, page in hits:
+        per_step[step].append((index, offset, page))
+    return [
+        StepCaptures(*(torch.tensor(col, device=device) for col in zip(*items, strict=True)))
+        if items
+        else None
+        for items in per_step
+    ]
+
+
+def build_chunk_layouts(
+    states: StepRows, reqs: list[int], max_chunk_tokens: int, block_tokens: int
+) -> list[ChunkLayout]:
+    """Requests ``reqs`` (each with two or more rows) in blocks of about ``block_tokens``
+    padded rows, requests of similar chunk counts together; one layout per block."""
+    lens = [states.lens[r] for r in reqs]
+    size = choose_chunk_tokens(lens, max_chunk_tokens)
+    num_chunks = [-(-n // size) for n in lens]
+    order = sorted(range(len(reqs)), key=lambda i: -num_chunks[i])
+    blocks: list[list[int]] = [[]]
+    block_chunks = 0
+    for i in order:
+        if blocks[-1] and (block_chunks + num_chunks[i]) * size > block_tokens:
+            blocks.append([])
+            block_chunks = 0
+        blocks[-1].append(reqs[i])
+        block_chunks += num_chunks[i]
+    captures: dict[int, list[tuple[int, int]]] = {}
+    for r, pos, page in states.interior_captures():
+        captures.setdefault(r, []).append((pos, page))
+    return [_block_layout(states, block, max_chunk_tokens, captures) for block in blocks]
+
+
+def _block_layout(
+    states: StepRows,
+    reqs: list[int],
+    max_chunk_tokens: int,
+    captures: dict[int, list[tuple[int, int]]],
+) -> ChunkLayout:
+    """The layout of one block of requests, its chunk length fitted to its own requests."""
+    device = states.pages.device
+    lens = torch.tensor([states.lens[r] for r in reqs])
+    first_rows = torch.tensor([states.starts[r] for r in reqs])
+    size = choose_chunk_tokens(lens.tolist(), max_chunk_tokens)
+    num_chunks = (lens + size - 1) // size  # [Rb]
+    order, rank, running = _sorted_by_count(num_chunks)
+    offsets = [0]
+    for count in running[:-1]:
+        offsets.append(offsets[-1] + count)
+
+    req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), lens)  # [Tb]
+    local = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
+    chunk_ids = torch.tensor(offsets)[local // size] + rank[req_of_row]
+    hits = [
+        (pos // size, int(rank[i]), pos % size, page)
+        for i, r in enumerate(reqs)
+        for pos, page in captures.get(r, [])
+    ]
+    fresh = [not states.has_initial_state[reqs[i]] for i in order.tolist()]
+    sorted_reqs = torch.tensor(reqs)[order].to(device)
+    return ChunkLayout(
+        chunk_tokens=size,
+        num_chunks=int(num_chunks.sum()),
+        rows=(first_rows[req_of_row] + local).to(device),
+        slots=(chunk_ids * size + local % size).to(device),
+        steps=list(zip(offsets, running, strict=True)),
+        pages=states.pages[sorted_reqs],
+        fresh=torch.tensor(fresh, device=device) if any(fresh) else None,
+        captures=_step_captures(hits, len(running), device),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class TokenLayout:
+    """A block of requests, position-major: step ``t`` runs token ``t`` of each request
+    longer than ``t``, requests sorted by length so that they are a prefix of the block."""
+
+    rows: Tensor  # [max_len, Rb] row of token t of sorted request s; row 0 past its end
+    running: list[int]  # requests running at each step
+    slots: Tensor  # [Tb] flat index into [max_len * Rb] of each real (step, request)
+    slot_rows: Tensor  # [Tb] the row of each of those
+    pages: Tensor  # [Rb] live pages, sorted
+    fresh: Tensor | None  # [Rb] bool, sorted; None when every request carries a state
+    captures: list[StepCaptures | None]  # per step
+
+
+def build_token_layouts(states: StepRows, block_requests: int) -> list[TokenLayout]:
+    """Every request of a step, longest first, in blocks of ``block_requests``."""
+    order = sorted(range(len(states.lens)), key=lambda r: -states.lens[r])
+    captures: dict[int, list[tuple[int, int]]] = {}
+    for r, pos, page in states.interior_captures():
+        captures.setdefault(r, []).append((pos, page))
+    return [
+        _token_block(states, order[i : i + block_requests], captures)
+        for i in range(0, len(order), block_requests)
+    ]
+
+
+def _token_block(
+    states: StepRows, reqs: list[int], captures: dict[int, list[tuple[int, int]]]
+) -> TokenLayout:
+    """The layout of requests ``reqs``, given longest first."""
+    device = states.pages.device
+    lens = torch.tensor([states.lens[r] for r in reqs])
+    running = (lens[None, :] > torch.arange(int(lens[0]))[:, None]).sum(1).tolist()
+    steps = torch.arange(len(running))[:, None]  # [L, 1]
+    first = torch.tensor([states.starts[r] for r in reqs])  # [Rb]
+    real = steps < lens  # [L, Rb]
+    rows = torch.where(real, first + steps, 0)  # padding reads row 0 and is never used
+    hits = [(pos, s, 0, page) for s, r in enumerate(reqs) for pos, page in captures.get(r, [])]
+    fresh = [not states.has_initial_state[r] for r in reqs]
+    return TokenLayout(
+        rows=rows.to(device),
+        running=running,
+        slots=real.flatten().nonzero()[:, 0].to(device),
+        slot_rows=rows[real].to(device),
+        pages=states.pages[torch.tensor(reqs, device=device)],
+        fresh=torch.tensor(fresh, device=device) if any(fresh) else None,
+        captures=_step_captures(hits, len(running), device),
+    )
+
+
+@dataclass(frozen=True, eq=False)
+class ConvBlock:
+    """Consecutive requests of a step in one axis holding, per request, its K-1 carried
+    inputs then its rows::
+
+        ext = [ state_r (K-1) | rows of request r | state_r+1 (K-1) | rows of r+1 | ... ]
+
+    so the conv window of every row is the K ext rows ending at it, and every state (final
+    or captured) is the K-1 ext rows ending at its row. Index tensors are block-relative.
+    """
+
+    reqs: slice  # the block's requests
+    rows: slice  # their rows of the flat token axis
+    ext_tokens: int
+    x_rows: Tensor  # [Tb] ext row of each row
+    state_rows: Tensor  # [Rb * (K-1)] ext rows of the carried states, request-major
+    final_rows: Tensor  # [Rb * (K-1)] ext rows of the final states
+    capture_rows: Tensor | None  # [Sb * (K-1)] ext rows of the captured states
+    capture_pages: Tensor | None  # [Sb]
+
+
+def build_conv_blocks(states: StepRows, kernel: int, block_tokens: int) -> list[ConvBlock]:
+    """Consecutive requests in blocks of about ``block_tokens`` ext rows."""
+    keep = kernel - 1
+    bounds, size = [0], 0
+    for r, n in enumerate(states.lens):
+        if size and size + n + keep > block_tokens:
+            bounds.append(r)
+            size = 0
+        size += n + keep
+    bounds.append(len(states.lens))
+    blocks = []
+    for lo, hi in itertools.pairwise(bounds):
+        wanted = [
+            (states.starts[r] + pos, page) for r, pos, page in states.captures if lo <= r < hi
+        ]
+        blocks.append(_conv_block(states, keep, lo, hi, wanted))
+    return blocks
+
+
+def _conv_block(
+    states: StepRows, keep: int, lo: int, hi: int, captures: list[tuple[int, int]]
+) -> ConvBlock:
+    device = states.pages.device
+    first_row = states.starts[lo]
+    lens = torch.tensor(states.lens[lo:hi])
+    num_reqs = hi - lo
+    shift = torch.repeat_interleave(torch.arange(1, num_reqs + 1) * keep, lens)  # [Tb]
+    x_rows = torch.arange(int(lens.sum())) + shift
+    taps = torch.arange(keep)
+    starts = torch.tensor(states.starts[lo : hi + 1]) - first_row
+    first = starts[:-1] + torch.arange(num_reqs) * keep
+    ends = starts[1:] + torch.arange(1, num_reqs + 1) * keep
+    capture_rows = capture_pages = None
+    if captures:
+        wanted = x_rows[torch.tensor([row - first_row for row, _ in captures])]  # [Sb]
+        capture_rows = (wanted[:, None] - keep + 1 + taps).reshape(-1).to(device)
+        capture_pages = torch.tensor([page for _, page in captures], device=device)
+    return ConvBlock(
+        reqs=slice(lo, hi),
+        rows=slice(first_row, states.starts[hi]),
+        ext_tokens=int(lens.sum()) + num_reqs * keep,
+        x_rows=x_rows.to(device),
+        state_rows=(first[:, None] + taps).reshape(-1).to(device),
+        final_rows=(ends[:, None] - keep + taps).reshape(-1).to(device),
+        capture_rows=capture_rows,
+        capture_pages=capture_pages,
+    )
