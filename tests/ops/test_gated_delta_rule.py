@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from ops_checks import RAGGED_TOKENS, check_varlen_batch
+from torch import Tensor
 
 from hybridkv.ops.gated_delta_rule import (
     chunk_gated_delta_rule,
     gated_delta_rule_paged,
+    gated_delta_rule_varlen,
     recurrent_gated_delta_rule,
 )
+from hybridkv.ops.gated_delta_rule import paged as gdn_module
+from hybridkv.ops.paged_state import StateBatch
 
 hf_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
@@ -83,3 +88,33 @@ def test_paged_varlen_equals_each_request_alone() -> None:
         torch.testing.assert_close(out[lo:hi], o[0], atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(pages[page], s[0], atol=2e-5, rtol=1e-4)
     assert torch.isnan(pages[2]).all()  # pages of no request are untouched
+
+
+@pytest.mark.parametrize("block_tokens", [None, 40], ids=["one_block", "blocks"])
+@pytest.mark.parametrize("with_captures", [False, True], ids=["no_capture", "captures"])
+@pytest.mark.parametrize("chunk_size", [12, 16, 64], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_varlen_equals_each_request_alone(
+    page_dtype: torch.dtype,
+    chunk_size: int,
+    with_captures: bool,
+    block_tokens: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ragged prefills and decodes in one call == the chunked reference per request; every
+    captured state == the final state of the reference run up to its row."""
+    if block_tokens is not None:  # many small blocks of requests
+        monkeypatch.setattr(gdn_module, "BLOCK_TOKENS", block_tokens)
+    q, k, v, g, beta, _ = (t[0] for t in make_inputs(RAGGED_TOKENS))
+
+    def run_varlen(view: Tensor, states: StateBatch) -> Tensor:
+        return gated_delta_rule_varlen(q, k, v, g, beta, view, states, chunk_size)
+
+    def run_alone(part: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
+        o, s = chunk_gated_delta_rule(
+            q[None, part], k[None, part], v[None, part], g[None, part], beta[None, part],
+            None if init is None else init[None],
+        )  # fmt: skip
+        return o[0], s[0]
+
+    check_varlen_batch((4, 16, 12), page_dtype, run_varlen, run_alone, with_captures)

@@ -1,12 +1,175 @@
-"""Gated delta rule over a flat varlen batch, with the state kept in its pages."""
+"""Gated delta rule over a step's flat varlen batch, each request's state in its page.
+
+One call runs every request of a step: the decodes together through the one-token
+recurrence, the prefill chunks of all requests together through the chunked (WY) form of
+:mod:`.naive`, whose inter-chunk loop goes over the chunk index shared by all requests
+(see :mod:`hybridkv.ops.state_layouts`). States are read from their pages once, updated in
+place in fp32 workspace buffers and written back once.
+
+A captured state after row ``j`` of a chunk that starts from state ``S``::
+
+    S_j = exp(cum_j) S + sum_{i <= j} exp(cum_j - cum_i) k_i v_new_i^T
+
+(``cum`` the in-chunk cumulative log decay, ``v_new`` the chunk's corrected values).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-from hybridkv.ops.gated_delta_rule.naive import chunk_gated_delta_rule, recurrent_gated_delta_rule
-from hybridkv.ops.paged_state import run_on_state_pages
+from hybridkv.ops.gated_delta_rule.naive import chunk_gated_delta_rule, l2norm
+from hybridkv.ops.paged_state import (
+    DecodeRows,
+    StateBatch,
+    needs_grad,
+    read_states,
+    scan_each_request,
+    write_states,
+)
+from hybridkv.ops.state_layouts import ChunkLayout, StepCaptures
+
+BLOCK_TOKENS = 512  # padded rows per block of requests (keeps the chunk tensors in cache)
+
+
+def _prepare_rows(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """fp32 rows, q and k l2-normalised (still on their Hk heads), q scaled by 1/sqrt(Dk)."""
+    q = l2norm(q.float()) * q.shape[-1] ** -0.5
+    return q, l2norm(k.float()), v.float(), g.float(), beta.float()
+
+
+def _per_v_head(x: Tensor, v_heads: int) -> Tensor:
+    """[..., Hk, ...] -> [..., Hv, ...] along dim 1 (value head h reads k-head h // r)."""
+    rep = v_heads // x.shape[1]
+    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
+
+
+def _decode(
+    rows: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], view: Tensor, decodes: DecodeRows
+) -> Tensor:
+    """One recurrence step for every decode, states updated in place: [B, Hv, Dv]."""
+    q, k, v, g, beta = (x.index_select(0, decodes.rows) for x in rows)  # [B, H, ...]
+    q, k = _per_v_head(q, v.shape[1]), _per_v_head(k, v.shape[1])
+    batch, heads, k_dim = k.shape
+    state = read_states(view, decodes.pages, decodes.fresh, "gdn.state")  # [B, Hv, Dk, Dv]
+    state.mul_(g.exp()[..., None, None])
+    flat = state.view(batch * heads, k_dim, -1)  # [B*Hv, Dk, Dv]
+    kv_mem = torch.bmm(k.view(batch * heads, 1, k_dim), flat)  # [B*Hv, 1, Dv]
+    delta = (v.view(batch * heads, 1, -1) - kv_mem).mul_(beta.view(batch * heads, 1, 1))
+    flat.baddbmm_(k.view(batch * heads, k_dim, 1), delta)
+    out = torch.bmm(q.view(batch * heads, 1, k_dim), flat).view(batch, heads, -1)
+    write_states(view, decodes.pages, state, "gdn.state")
+    return out
+
+
+def _chunks(
+    rows: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], view: Tensor, layout: ChunkLayout
+) -> Tensor:
+    """The chunked form over every multi-token request: [Tp, Hv, Dv] in layout.rows order.
+
+    q·k and k·k are computed once per k-head and shared by its value heads (grouped as
+    [N, Hk, r, ...] views of the value-head tensors).
+    """
+    q, k, v, g, beta = (layout.pad_heads_first(x) for x in rows)  # [N, H, C, ...]
+    num_chunks, k_heads, size, k_dim = k.shape
+    heads, v_dim = v.shape[1], v.shape[-1]
+    grouped = (num_chunks, k_heads, heads // k_heads, size)  # value heads by k-head
+
+    cum = g.cumsum(dim=-1)  # [N, Hv, C]
+    upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+    decay_g = decay.view(*grouped, size)  # [N, Hk, r, C, C]
+    kk = (k @ k.transpose(-1, -2))[:, :, None]  # [N, Hk, 1, C, C]
+    ut = (kk * decay_g).mul_(beta.view(*grouped, 1)).view_as(decay)  # unit lower-triangular
+    intra = ((q @ k.transpose(-1, -2))[:, :, None] * decay_g).view_as(decay)
+    k_g = k[:, :, None]  # [N, Hk, 1, C, Dk]
+    u = torch.linalg.solve_triangular(ut, v.mul_(beta[..., None]), upper=False, unitriangular=True)
+    k_scaled = (k_g * (beta * cum.exp()).view(*grouped, 1)).view(-1, heads, size, k_dim)
+    w = torch.linalg.solve_triangular(ut, k_scaled, upper=False, unitriangular=True)
+    q = (q[:, :, None] * cum.exp().view(*grouped, 1)).view(-1, heads, size, k_dim)
+    k_end = (k_g * (cum[..., -1:] - cum).exp().view(*grouped, 1)).view(-1, heads, size, k_dim)
+    end_decay = cum[..., -1].exp()[..., None, None]  # [N, Hv, 1, 1]
+
+    state = read_states(view, layout.pages, layout.fresh, "gdn.state")  # [Rp, Hv, Dk, Dv]
+    out = torch.empty(num_chunks, heads, size, v_dim, device=q.device)
+    for (first, count), captures in zip(layout.steps, layout.captures, strict=True):
+        part, start = slice(first, first + count), state[:count]
+        v_new = torch.matmul(w[part], start).neg_().add_(u[part])  # [n, Hv, C, Dv]
+        torch.matmul(q[part], start, out=out[part])
+        out[part] += intra[part] @ v_new
+        if captures is not None:
+            _capture(view, captures, first, start, k_g, v_new, decay, cum)
+        start.mul_(end_decay[part])
+        start.view(-1, k_dim, v_dim).baddbmm_(
+            k_end[part].transpose(-1, -2).reshape(-1, k_dim, size), v_new.view(-1, size, v_dim)
+        )
+    write_states(view, layout.pages, state, "gdn.state")
+    return layout.unpad(out.transpose(1, 2).reshape(-1, heads, v_dim))
+
+
+def _capture(
+    view: Tensor,
+    captures: StepCaptures,
+    first: int,
+    start: Tensor,
+    k: Tensor,
+    v_new: Tensor,
+    decay: Tensor,
+    cum: Tensor,
+) -> None:
+    """Write the states after the captured rows of this step's chunks (module formula).
+
+    ``k`` is [N, Hk, 1, C, Dk]; the other tensors are on value heads.
+    """
+    chunk = captures.index + first
+    weights = decay[chunk, :, captures.offset]  # [c, Hv, C]: exp(cum_j - cum_i), 0 past j
+    k_g = k[chunk]  # [c, Hk, 1, C, Dk]
+    k_j = (k_g * weights.view(*k_g.shape[:2], -1, k_g.shape[3], 1)).flatten(1, 2)
+    states = start[captures.index] * cum[chunk, :, captures.offset].exp()[..., None, None]
+    states += k_j.transpose(-1, -2) @ v_new[captures.index]  # [c, H, Dk, Dv]
+    write_states(view, captures.pages, states, "gdn.capture")
+
+
+def gated_delta_rule_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    ssm_pages: Tensor,
+    states: StateBatch,
+    chunk_size: int = 64,
+) -> Tensor:
+    """Run every request of a step, reading and writing its state page in place.
+
+    Args:
+        q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g (log decay), beta: [T, Hv]; rows request-major.
+        ssm_pages: [num_pages, Hv, Dk, Dv] the layer's state view (any float dtype).
+        states: the step's rows, live pages and captures for this layer's group.
+        chunk_size: the longest chunk of the chunked form (shorter when every request is).
+
+    Returns:
+        [T, Hv, Dv] in v's dtype.
+    """
+    if needs_grad(q, k, v, g, beta):
+
+        def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
+            picked = (x[None, rows] for x in (q, k, v, g, beta))
+            init = None if initial is None else initial[None]
+            o, final = chunk_gated_delta_rule(*picked, init, chunk_size=chunk_size)
+            return o[0], final[0]
+
+        return scan_each_request(torch.empty_like(v), ssm_pages, states, scan)
+    rows = _prepare_rows(q, k, v, g, beta)
+    out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    if states.decodes is not None:
+        out.index_copy_(0, states.decodes.rows, _decode(rows, ssm_pages, states.decodes))
+    for layout in states.chunks(chunk_size, BLOCK_TOKENS):
+        out.index_copy_(0, layout.rows, _chunks(rows, ssm_pages, layout))
+    states.copy_final_captures(ssm_pages)
+    return out.to(v.dtype)
 
 
 def gated_delta_rule_paged(
@@ -20,37 +183,6 @@ def gated_delta_rule_paged(
     has_initial_state: list[bool],
     starts: list[int],
 ) -> Tensor:
-    """Run every request of a step, reading and writing its state page in place.
-
-    One-token requests (decodes) run together through the recurrent form; longer chunks run
-    one by one through the chunked form, starting from their page (or zeros when
-    ``has_initial_state`` is False).
-
-    Args:
-        q, k: [T, Hk, Dk]; v: [T, Hv, Dv]; g, beta: [T, Hv]; rows request-major.
-        ssm_pages: [num_pages, Hv, Dk, Dv] the layer's state view.
-        state_pages: [R] live state page of each request; starts: R+1 row offsets.
-
-    Returns:
-        [T, Hv, Dv] in v's dtype.
-    """
-
-    def step(rows: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
-        o, final = recurrent_gated_delta_rule(
-            q[rows, None], k[rows, None], v[rows, None], g[rows, None], beta[rows, None], state
-        )
-        return o[:, 0], final
-
-    def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
-        o, final = chunk_gated_delta_rule(
-            q[None, rows],
-            k[None, rows],
-            v[None, rows],
-            g[None, rows],
-            beta[None, rows],
-            None if initial is None else initial[None],
-        )
-        return o[0], final[0]
-
-    out = torch.empty_like(v)
-    return run_on_state_pages(out, ssm_pages, state_pages, has_initial_state, starts, step, scan)
+    """:func:`gated_delta_rule_varlen` for a caller without a step's :class:`StateBatch`."""
+    states = StateBatch(starts, state_pages, has_initial_state)
+    return gated_delta_rule_varlen(q, k, v, g, beta, ssm_pages, states)
