@@ -6,10 +6,19 @@ import math
 
 import pytest
 import torch
-from ops_checks import NUM_TOKENS, check_paged_batch, rel_err
+from ops_checks import (
+    NUM_TOKENS,
+    RAGGED_LENS,
+    RAGGED_TOKENS,
+    check_paged_batch,
+    check_varlen_batch,
+    rel_err,
+)
 from torch import Tensor
 
-from hybridkv.ops.mamba2 import SSDParams, ssd_chunk_scan, ssd_paged, ssd_state_update
+from hybridkv.ops.mamba2 import SSDParams, ssd_chunk_scan, ssd_paged, ssd_state_update, ssd_varlen
+from hybridkv.ops.mamba2 import paged as ssd_module
+from hybridkv.ops.paged_state import StateBatch
 
 hf_bamba = pytest.importorskip("transformers.models.bamba.modeling_bamba")
 
@@ -192,3 +201,46 @@ def test_paged_batch_equals_each_request_alone() -> None:
         return scan(t, part, chunk_size=8, initial_state=init)
 
     check_paged_batch((heads, head_dim, d_state), run_paged, run_alone)
+
+
+@pytest.mark.parametrize("block_tokens", [None, 40], ids=["one_block", "blocks"])
+@pytest.mark.parametrize("with_captures", [False, True], ids=["no_capture", "captures"])
+@pytest.mark.parametrize("chunk_size", [8, 12, 64], ids=lambda c: f"chunk{c}")
+@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_varlen_equals_each_request_alone(
+    page_dtype: torch.dtype,
+    chunk_size: int,
+    with_captures: bool,
+    block_tokens: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ragged prefills and decodes in one call == the chunked reference per request (decodes
+    == the one-step update, clamped by ``step_dt_limit``); every captured state == the final
+    state of the reference run up to its row."""
+    if block_tokens is not None:  # many small blocks of requests
+        monkeypatch.setattr(ssd_module, "BLOCK_TOKENS", block_tokens)
+    heads, head_dim, d_state, groups = 6, 4, 8, 3
+    t = make_inputs(RAGGED_TOKENS, heads, head_dim, d_state, groups, seed=6)
+    limit, step_limit = (0.3, 1.2), (0.0, math.inf)
+    params = SSDParams(
+        A=t["A"], D=t["D"], dt_bias=t["dt_bias"], chunk_size=chunk_size, dt_limit=limit,
+        step_dt_limit=step_limit,
+    )  # fmt: skip
+
+    def run_varlen(view: Tensor, states: StateBatch) -> Tensor:
+        return ssd_varlen(t["x"], t["dt"], t["B"], t["C"], params, view, states)
+
+    starts = [0, *torch.tensor(RAGGED_LENS).cumsum(0).tolist()]
+    decode_rows = {starts[r] for r, n in enumerate(RAGGED_LENS) if n == 1}
+
+    def run_alone(part: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
+        if part.start not in decode_rows:  # a chunk (or a capture inside one)
+            return scan(t, part, chunk_size=chunk_size, dt_limit=limit, initial_state=init)
+        state = (torch.zeros(heads, head_dim, d_state) if init is None else init.clone())[None]
+        y = ssd_state_update(
+            state, t["x"][part], t["dt"][part], t["A"], t["B"][part], t["C"][part],
+            D=t["D"], dt_bias=t["dt_bias"], dt_limit=step_limit,
+        )  # fmt: skip
+        return y, state[0]
+
+    check_varlen_batch((heads, head_dim, d_state), page_dtype, run_varlen, run_alone, with_captures)

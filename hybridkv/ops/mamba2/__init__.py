@@ -18,7 +18,7 @@ from hybridkv.ops.mamba2.naive import (
     ssd_chunk_scan,
     ssd_state_update,
 )
-from hybridkv.ops.mamba2.paged import SSDParams, ssd_paged
+from hybridkv.ops.mamba2.paged import SSDParams, ssd_paged, ssd_varlen
 
 __all__ = [
     "NO_DT_LIMIT",
@@ -28,4 +28,5 @@ __all__ = [
     "ssd_chunk_scan",
     "ssd_paged",
     "ssd_state_update",
+    "ssd_varlen",
 ]

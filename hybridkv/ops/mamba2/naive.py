@@ -43,7 +43,7 @@ def discretize_dt(
     return dt
 
 
-def _segment_sum(x: torch.Tensor) -> torch.Tensor:
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
     """``out[..., i, j] = sum(x[..., j+1 : i+1])`` for ``j <= i``, else ``-inf``.
 
     Masked cumulative sums instead of differences of a cumsum: the same stable form
@@ -102,7 +102,7 @@ def ssd_chunk_scan(
     A_cum = torch.cumsum(A_dt, dim=-1)  # [H, c, L]
 
     # 1. inside each chunk: attention-like, scores C_l·B_s decayed from s to l
-    decay = torch.exp(_segment_sum(A_dt))  # [H, c, L(l), L(s)]
+    decay = torch.exp(segment_sum(A_dt))  # [H, c, L(l), L(s)]
     scores = torch.einsum("clhn,cshn->clsh", Ch, Bh) * decay.permute(1, 2, 3, 0)
     y_diag = torch.einsum("clsh,cshp->clhp", scores, x_dt)  # [c, L, H, P]
 
@@ -118,7 +118,7 @@ def ssd_chunk_scan(
         else chunk_states.new_zeros(1, num_heads, head_dim, Bh.shape[-1])
     )
     chunk_states = torch.cat([start, chunk_states])  # [c+1, H, P, N]
-    chunk_decay = torch.exp(_segment_sum(F.pad(A_cum[..., -1], (1, 0))))  # [H, c+1, c+1]
+    chunk_decay = torch.exp(segment_sum(F.pad(A_cum[..., -1], (1, 0))))  # [H, c+1, c+1]
     states = torch.einsum("hcz,zhpn->chpn", chunk_decay, chunk_states)  # [c+1, H, P, N]
 
     # 4. what the start state of each chunk contributes to its outputs
