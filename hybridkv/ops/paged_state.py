@@ -211,8 +211,6 @@ def write_states(view: Tensor, pages: Tensor, states: Tensor, name: str) -> None
     view.index_copy_(0, pages, states)
 
 
-# (rows [B] of the one-token requests, their states [B, *state]) -> (y, updated states)
-StepFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 # (rows of one request, its fp32 initial state or None for zeros) -> (y, final state)
 ScanFn = Callable[[slice, Tensor | None], tuple[Tensor, Tensor]]
 
@@ -237,39 +235,4 @@ def scan_each_request(out: Tensor, view: Tensor, states: StateBatch, scan: ScanF
         initial = view[page].float() if states.has_initial_state[r] else None
         out[rows], final = scan(rows, initial)
         view[page] = final.to(view.dtype)
-    return out
-
-
-def run_on_state_pages(
-    out: Tensor,
-    page_view: Tensor,
-    state_pages: Tensor,
-    has_initial_state: list[bool],
-    starts: list[int],
-    step: StepFn,
-    scan: ScanFn,
-    step_dtype: torch.dtype = torch.float32,
-) -> Tensor:
-    """Fill ``out`` [T, ...] request by request, reading and writing ``page_view`` in place.
-
-    ``step`` gets the decodes' states in ``step_dtype``; every final state is cast back to
-    the page's dtype.
-    """
-    pages = state_pages.tolist()
-    single = [r for r in range(len(pages)) if starts[r + 1] - starts[r] == 1]
-    if single:
-        rows = torch.tensor([starts[r] for r in single], device=out.device)
-        idx = torch.tensor([pages[r] for r in single], device=out.device)
-        state = page_view[idx].to(step_dtype)  # [B, *state] (gathered copy)
-        fresh = torch.tensor([not has_initial_state[r] for r in single], device=out.device)
-        state[fresh] = 0
-        out[rows], state = step(rows, state)
-        page_view[idx] = state.to(page_view.dtype)
-    for r, page in enumerate(pages):
-        lo, hi = starts[r], starts[r + 1]
-        if hi - lo < 2:
-            continue
-        initial = page_view[page] if has_initial_state[r] else None
-        out[lo:hi], final = scan(slice(lo, hi), initial)
-        page_view[page] = final.to(page_view.dtype)
     return out

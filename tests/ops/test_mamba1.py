@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from ops_checks import NUM_TOKENS, check_paged_batch, rel_err
+from ops_checks import NUM_TOKENS, RAGGED_TOKENS, check_paged_batch, check_varlen_batch, rel_err
 from torch import Tensor
 
 from hybridkv.ops.mamba1 import (
     SelectiveScanParams,
     selective_scan,
     selective_scan_paged,
+    selective_scan_varlen,
     selective_state_update,
 )
+from hybridkv.ops.mamba1 import paged as scan_module
+from hybridkv.ops.paged_state import StateBatch
 
 hf_jamba = pytest.importorskip("transformers.models.jamba.modeling_jamba")
 
@@ -167,3 +170,28 @@ def test_paged_batch_equals_each_request_alone() -> None:
         )
 
     check_paged_batch((24, 8), run_paged, lambda part, init: scan(t, part, initial_state=init))
+
+
+@pytest.mark.parametrize("block_requests", [None, 5], ids=["one_block", "blocks"])
+@pytest.mark.parametrize("with_captures", [False, True], ids=["no_capture", "captures"])
+@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_varlen_equals_each_request_alone(
+    page_dtype: torch.dtype,
+    with_captures: bool,
+    block_requests: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ragged prefills and decodes in one token loop == the scan per request; every captured
+    state == the final state of the scan up to its row."""
+    if block_requests is not None:  # requests in blocks of 5
+        monkeypatch.setattr(scan_module, "BLOCK_STATE_ELEMENTS", 24 * 8 * block_requests)
+    t = make_inputs(RAGGED_TOKENS, 24, 8, seed=6)
+    params = SelectiveScanParams(A=t["A"], D=t["D"], dt_bias=t["dt_bias"])
+
+    def run_varlen(view: Tensor, states: StateBatch) -> Tensor:
+        return selective_scan_varlen(t["x"], t["dt"], t["B"], t["C"], t["z"], params, view, states)
+
+    def run_alone(part: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
+        return scan(t, part, initial_state=init)
+
+    check_varlen_batch((24, 8), page_dtype, run_varlen, run_alone, with_captures)

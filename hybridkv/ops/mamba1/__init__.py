@@ -11,11 +11,16 @@ plug in here behind the same signatures once installed and tested against the re
 from __future__ import annotations
 
 from hybridkv.ops.mamba1.naive import selective_scan, selective_state_update
-from hybridkv.ops.mamba1.paged import SelectiveScanParams, selective_scan_paged
+from hybridkv.ops.mamba1.paged import (
+    SelectiveScanParams,
+    selective_scan_paged,
+    selective_scan_varlen,
+)
 
 __all__ = [
     "SelectiveScanParams",
     "selective_scan",
     "selective_scan_paged",
+    "selective_scan_varlen",
     "selective_state_update",
 ]

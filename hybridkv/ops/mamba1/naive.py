@@ -19,14 +19,15 @@ import torch
 import torch.nn.functional as F
 
 
-def _dt(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
+def discretize(dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_softplus: bool) -> torch.Tensor:
+    """Raw ``dt`` projection -> step size ``softplus(dt + bias)`` in fp32."""
     dt = dt.float()
     if dt_bias is not None:
         dt = dt + dt_bias.float()
     return F.softplus(dt) if dt_softplus else dt
 
 
-def _output(
+def gate_output(
     y: torch.Tensor, x: torch.Tensor, D: torch.Tensor | None, z: torch.Tensor | None
 ) -> torch.Tensor:
     """Skip connection and gate, in fp32: ``(y + D x) * silu(z)``."""
@@ -62,7 +63,7 @@ def selective_scan(
         ``(y [T, d_inner] in x's dtype, final_state [d_inner, N] in fp32)``.
     """
     seq_len, d_inner = x.shape
-    dt = _dt(dt, dt_bias, dt_softplus)  # [T, Di]
+    dt = discretize(dt, dt_bias, dt_softplus)  # [T, Di]
     Af = A.float()
     h = (
         initial_state.float().clone()
@@ -80,7 +81,7 @@ def selective_scan(
             states[i] = h
         ys.append(torch.einsum("tdn,tn->td", states, C[part].float()))  # [t, Di]
     y = torch.cat(ys) if ys else x.new_zeros(0, d_inner, dtype=torch.float32)
-    return _output(y, x, D, z), h
+    return gate_output(y, x, D, z), h
 
 
 def selective_state_update(
@@ -110,10 +111,10 @@ def selective_state_update(
     num_seqs = x.shape[0]
     rows = state_indices if state_indices is not None else torch.arange(num_seqs)
     rows = rows.to(state.device)
-    dt = _dt(dt, dt_bias, dt_softplus)  # [S', Di]
+    dt = discretize(dt, dt_bias, dt_softplus)  # [S', Di]
     decay = torch.exp(dt[..., None] * A.float())  # [S', Di, N]
     inject = (dt * x.float())[..., None] * B.float()[:, None, :]  # [S', Di, N]
     h = state[rows].float() * decay + inject  # [S', Di, N]
     state.index_copy_(0, rows, h.to(state.dtype))
     y = torch.einsum("sdn,sn->sd", h, C.float())  # [S', Di]
-    return _output(y, x, D, z)
+    return gate_output(y, x, D, z)
