@@ -20,6 +20,8 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from hybridkv.ops.paged_state import StateBatch, StateCaptures
+
 
 @dataclass(eq=False)
 class ForwardBatch:
@@ -36,6 +38,10 @@ class ForwardBatch:
         has_initial_state: [R] bool; False means the state page holds garbage and the
             recurrent layers start from zeros (the page is overwritten).
         logits_indices: [R] int64 row of T whose logits are returned for each request.
+        state_captures: recurrent group id -> states to capture during the step: after row
+            ``rows[i]`` of T, every recurrent layer of the group writes its state (conv and
+            SSM) into page ``pages[i]`` of its view (issue 12's snapshots, issue 16's
+            speculative rollback). Empty: no captures.
     """
 
     input_ids: Tensor
@@ -46,6 +52,8 @@ class ForwardBatch:
     state_pages: dict[int, Tensor] = field(default_factory=dict)
     has_initial_state: Tensor | None = None
     logits_indices: Tensor | None = None
+    state_captures: dict[int, StateCaptures] = field(default_factory=dict)
+    _state_batches: dict[int, StateBatch] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.has_initial_state is None:
@@ -53,8 +61,7 @@ class ForwardBatch:
         if self.logits_indices is None:
             self.logits_indices = self.query_start_loc[1:] - 1
 
-    # Host-side copies of the metadata: the naive ops loop over requests in Python, and one
-    # .tolist() per step is cheaper than one per layer.
+    # Host-side copies of the metadata, taken once per step rather than once per layer.
 
     @property
     def num_requests(self) -> int:
@@ -91,12 +98,17 @@ class ForwardBatch:
         lens = torch.tensor(self.query_lens, dtype=torch.int64, device=self.input_ids.device)
         return torch.repeat_interleave(torch.arange(self.num_requests, device=lens.device), lens)
 
-    @cached_property
-    def single_token_requests(self) -> list[int]:
-        """Requests with exactly one token this step (decodes): run together, one-step kernels."""
-        return [r for r, n in enumerate(self.query_lens) if n == 1]
+    def state_batch(self, group_id: int) -> StateBatch:
+        """The step's rows, live pages and captures of recurrent group ``group_id``.
 
-    @cached_property
-    def multi_token_requests(self) -> list[int]:
-        """Requests with a prefill chunk of two or more tokens: run one by one, chunked kernels."""
-        return [r for r, n in enumerate(self.query_lens) if n > 1]
+        Built once per step and group: every layer of the group passes it to its ops, which
+        derive their index layouts from it once (it caches them).
+        """
+        if group_id not in self._state_batches:
+            self._state_batches[group_id] = StateBatch(
+                self.starts,
+                self.state_pages[group_id],
+                self.initial_state_flags,
+                self.state_captures.get(group_id),
+            )
+        return self._state_batches[group_id]

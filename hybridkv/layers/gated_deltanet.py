@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.layers.norm import GatedRMSNorm
-from hybridkv.ops.causal_conv1d import causal_conv1d_paged
-from hybridkv.ops.gated_delta_rule import gated_delta_rule_paged
+from hybridkv.ops.causal_conv1d import causal_conv1d_varlen
+from hybridkv.ops.gated_delta_rule import gated_delta_rule_varlen
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,18 +69,17 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
         cfg, num_tokens = self.cfg, x.shape[0]
         state = views.state(self.layer_index)
-        pages = batch.state_pages[state.group_id]
-        flags, starts = batch.initial_state_flags, batch.starts
+        states = batch.state_batch(state.group_id)
         qkv, z, b, a = self.project(x)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        qkv = causal_conv1d_paged(qkv, state["conv"], pages, flags, starts, weight, None, "silu")
+        qkv = causal_conv1d_varlen(qkv, state["conv"], states, weight, None, "silu")
         q, k, v = qkv.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         q = q.reshape(num_tokens, cfg.num_k_heads, cfg.k_head_dim)
         k = k.reshape(num_tokens, cfg.num_k_heads, cfg.k_head_dim)
         v = v.reshape(num_tokens, cfg.num_v_heads, cfg.v_head_dim)
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log decay
-        o = gated_delta_rule_paged(q, k, v, g, beta, state["ssm"], pages, flags, starts)
+        o = gated_delta_rule_varlen(q, k, v, g, beta, state["ssm"], states)
         o = self.norm(o.reshape(-1, cfg.v_head_dim), z.reshape(-1, cfg.v_head_dim))
         return self.out_proj(o.reshape(num_tokens, cfg.value_dim))
 

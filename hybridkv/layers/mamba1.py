@@ -24,8 +24,8 @@ from torch import Tensor, nn
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.layers.norm import RMSNorm
-from hybridkv.ops.causal_conv1d import causal_conv1d_paged
-from hybridkv.ops.mamba1 import SelectiveScanParams, selective_scan_paged
+from hybridkv.ops.causal_conv1d import causal_conv1d_varlen
+from hybridkv.ops.mamba1 import SelectiveScanParams, selective_scan_varlen
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,15 +67,12 @@ class Mamba1Mixer(nn.Module):
     def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
         cfg = self.cfg
         view = views.state(self.layer_index)
-        pages = batch.state_pages[view.group_id]  # [R]
-        flags, starts = batch.initial_state_flags, batch.starts
+        states = batch.state_batch(view.group_id)
         xs, z = self.in_proj(x).chunk(2, dim=-1)  # [T, I] each
-        xs = causal_conv1d_paged(
+        xs = causal_conv1d_varlen(
             xs,
             view["conv"],
-            pages,
-            flags,
-            starts,
+            states,
             self.conv1d.weight[:, 0, :],
             self.conv1d.bias,
             cfg.activation,
@@ -87,5 +84,5 @@ class Mamba1Mixer(nn.Module):
         params = SelectiveScanParams(
             A=-torch.exp(self.A_log.float()), D=self.D, dt_bias=self.dt_proj.bias
         )
-        y = selective_scan_paged(xs, dt, B, C, z, params, view["ssm"], pages, flags, starts)
+        y = selective_scan_varlen(xs, dt, B, C, z, params, view["ssm"], states)
         return self.out_proj(y.to(x.dtype))

@@ -26,8 +26,8 @@ from torch import Tensor, nn
 from hybridkv.core.spec import RecurrentStateSpec
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
-from hybridkv.ops.causal_conv1d import causal_conv1d_paged
-from hybridkv.ops.mamba2 import NO_DT_LIMIT, SSDParams, ssd_paged
+from hybridkv.ops.causal_conv1d import causal_conv1d_varlen
+from hybridkv.ops.mamba2 import NO_DT_LIMIT, SSDParams, ssd_varlen
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,17 +134,14 @@ class Mamba2Mixer(nn.Module):
         cfg = self.cfg
         num_tokens = x.shape[0]
         view = views.state(self.layer_index)
-        pages = batch.state_pages[view.group_id]  # [R]
-        flags, starts = batch.initial_state_flags, batch.starts
+        states = batch.state_batch(view.group_id)
         z, xBC, dt = self.in_proj(x).split(
             [cfg.inner_size, cfg.conv_channels, cfg.num_heads], dim=-1
         )  # [T, I], [T, C], [T, H]
-        xBC = causal_conv1d_paged(
+        xBC = causal_conv1d_varlen(
             xBC,
             view["conv"],
-            pages,
-            flags,
-            starts,
+            states,
             self.conv1d.weight[:, 0, :],
             self.conv1d.bias,
             cfg.activation,
@@ -158,16 +155,14 @@ class Mamba2Mixer(nn.Module):
             dt_limit=cfg.dt_limit,
             step_dt_limit=None if cfg.clamp_dt_in_step else NO_DT_LIMIT,
         )
-        y = ssd_paged(
+        y = ssd_varlen(
             xs.reshape(num_tokens, cfg.num_heads, cfg.head_dim),
             dt,
             B.reshape(num_tokens, cfg.n_groups, cfg.d_state),
             C.reshape(num_tokens, cfg.n_groups, cfg.d_state),
             params,
             view["ssm"],
-            pages,
-            flags,
-            starts,
+            states,
         )  # [T, H, P]
         y = self.norm(y.reshape(num_tokens, cfg.inner_size), z)  # [T, I]
         return self.out_proj(y.to(x.dtype))

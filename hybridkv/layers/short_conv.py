@@ -17,7 +17,7 @@ from torch import Tensor, nn
 
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
-from hybridkv.ops.causal_conv1d import causal_conv1d_paged
+from hybridkv.ops.causal_conv1d import causal_conv1d_varlen
 
 
 class ShortConv(nn.Module):
@@ -32,14 +32,11 @@ class ShortConv(nn.Module):
 
     def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
         view = views.state(self.layer_index)
-        pages = batch.state_pages[view.group_id]  # [R]
         b, c, h = self.in_proj(x).chunk(3, dim=-1)  # [T, H] each
-        y = causal_conv1d_paged(
+        y = causal_conv1d_varlen(
             b * h,
             view["conv"],
-            pages,
-            batch.initial_state_flags,
-            batch.starts,
+            batch.state_batch(view.group_id),
             self.conv.weight[:, 0, :],  # [H, L]
             self.conv.bias,
             None,

@@ -17,6 +17,7 @@ from paged_runner import PagedRunner
 from tiny import hf_greedy, hf_logits, make_hf, save_checkpoint
 
 from hybridkv.models.loader import LoadedModel, load_model
+from hybridkv.ops.paged_state import StateCaptures
 
 CHUNK_SIZES = [1, 6, 9, 17]  # chunk boundaries at 1, 7, 16, 33
 
@@ -114,8 +115,46 @@ def check_fresh_state_page(hf: Any, lm: LoadedModel) -> None:
     assert_close(runner.step([("one", ids[:1])]), hf_logits(hf, ids[:1]))
 
 
+def check_captures(lm: LoadedModel, num_tokens: int = 40, first_chunk: int = 9) -> float:
+    """States captured inside a prefill chunk == the live states of separate forwards that
+    stop at the captured rows, in every recurrent layer (each of its state tensors).
+
+    The request prefills ``first_chunk`` tokens, then the rest in one chunk that captures
+    the state after its rows 0, 6, 7, 15, 16, 63, 64 (those it has) and its last: on and
+    off chunk and 16-token block boundaries, several per request, and the final row.
+    Returns the largest relative difference.
+    """
+    ids = prompt(11, num_tokens)
+    rest = num_tokens - first_chunk
+    rows = sorted({r for r in (0, 6, 7, 15, 16, 63, 64) if r < rest} | {rest - 1})
+    runner = PagedRunner(lm.model, lm.spec, seed=5)
+    runner.step([("a", ids[:first_chunk])])
+    groups = [g for g in lm.spec.groups if g.is_recurrent]
+    pages = {g.group_id: [runner.allocator.allocate(g.group_id) for _ in rows] for g in groups}
+    batch = runner.build_batch([("a", ids[first_chunk:])], all_logits=False)
+    batch.state_captures = {
+        gid: StateCaptures(torch.tensor(rows), torch.tensor(dst)) for gid, dst in pages.items()
+    }
+    lm.model(batch, runner.views)
+    worst = 0.0
+    for i, row in enumerate(rows):
+        alone = PagedRunner(lm.model, lm.spec, seed=6)
+        alone.step([("b", ids[: first_chunk + row + 1])])
+        for group in groups:
+            live = alone.reqs["b"].state_page[group.group_id]
+            for layer in group.layers:
+                ours = runner.views.state(layer.layer_index).tensors
+                for name, view in ours.items():
+                    want = alone.views.state(layer.layer_index)[name][live]
+                    got = view[pages[group.group_id][i]]
+                    rel = float((got - want).abs().max() / want.abs().max())
+                    assert rel <= 1e-5, (row, layer.layer_index, name, rel)
+                    worst = max(worst, rel)
+    return worst
+
+
 class TransformersChecks:
-    """The four standard checks as tests, over the test module's ``tiny`` fixture.
+    """The standard checks as tests, over the test module's ``tiny`` fixture.
 
     A test module defines ``tiny`` (``(transformers model, LoadedModel)``) and a
     ``class Test<Arch>(TransformersChecks)``; the class attributes set the prompt lengths.
@@ -135,3 +174,8 @@ class TransformersChecks:
 
     def test_batched_requests_match_alone(self, tiny: tuple[Any, LoadedModel]) -> None:
         check_batched(tiny[1])
+
+    def test_state_captured_inside_prefill_equals_live_state(
+        self, tiny: tuple[Any, LoadedModel]
+    ) -> None:
+        check_captures(tiny[1])

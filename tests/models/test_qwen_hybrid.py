@@ -11,6 +11,7 @@ import pytest
 import torch
 from hybrid_checks import (
     assert_close,
+    check_captures,
     check_fresh_state_page,
     check_greedy,
     check_mixed_batch,
@@ -63,3 +64,8 @@ def test_prefill_and_decode_mixed_in_one_batch(tiny) -> None:
 def test_fresh_request_reuses_a_dirty_state_page(tiny) -> None:
     """has_initial_state=False must ignore whatever an earlier request left in the page."""
     check_fresh_state_page(*tiny)
+
+
+def test_state_captured_inside_prefill_equals_live_state(tiny) -> None:
+    """In-forward captures (issues 12, 16) inside an 81-token chunk crossing the GDN chunk."""
+    check_captures(tiny[1], num_tokens=90)

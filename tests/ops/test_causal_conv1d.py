@@ -8,12 +8,7 @@ import torch.nn.functional as F
 from ops_checks import RAGGED_TOKENS, check_varlen_batch
 from torch import Tensor
 
-from hybridkv.ops.causal_conv1d import (
-    causal_conv1d_fn,
-    causal_conv1d_paged,
-    causal_conv1d_update,
-    causal_conv1d_varlen,
-)
+from hybridkv.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen
 from hybridkv.ops.causal_conv1d import paged as conv_module
 from hybridkv.ops.paged_state import StateBatch
 
@@ -78,9 +73,8 @@ def test_paged_varlen_reads_and_writes_pages() -> None:
     for r, page in enumerate(state_pages.tolist()):
         if not fresh[r]:
             pages[page] = initial[r]
-    out = causal_conv1d_paged(
-        x, pages, state_pages, [not f for f in fresh], starts, weight, b, "silu"
-    )
+    states = StateBatch(starts, state_pages, [not f for f in fresh])
+    out = causal_conv1d_varlen(x, pages, states, weight, b, "silu")
     for r, page in enumerate(state_pages.tolist()):
         lo, hi = starts[r], starts[r + 1]
         o, s = causal_conv1d_fn(x[lo:hi], weight, b, None if fresh[r] else initial[r], "silu")

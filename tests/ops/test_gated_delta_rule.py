@@ -9,7 +9,6 @@ from torch import Tensor
 
 from hybridkv.ops.gated_delta_rule import (
     chunk_gated_delta_rule,
-    gated_delta_rule_paged,
     gated_delta_rule_varlen,
     recurrent_gated_delta_rule,
 )
@@ -76,9 +75,8 @@ def test_paged_varlen_equals_each_request_alone() -> None:
         if not fresh[r]:
             pages[page] = initial[r]
     starts = [0, 1, 10, 11, 15]
-    out = gated_delta_rule_paged(
-        q, k, v, g, beta, pages, state_pages, [not f for f in fresh], starts
-    )
+    states = StateBatch(starts, state_pages, [not f for f in fresh])
+    out = gated_delta_rule_varlen(q, k, v, g, beta, pages, states)
     for r, page in enumerate(state_pages.tolist()):
         lo, hi = starts[r], starts[r + 1]
         init = None if fresh[r] else initial[r][None]

@@ -14,7 +14,6 @@ from torch import Tensor
 from hybridkv.ops.mamba1 import (
     SelectiveScanParams,
     selective_scan,
-    selective_scan_paged,
     selective_scan_varlen,
     selective_state_update,
 )
@@ -165,9 +164,8 @@ def test_paged_batch_equals_each_request_alone() -> None:
     params = SelectiveScanParams(A=t["A"], D=t["D"], dt_bias=t["dt_bias"])
 
     def run_paged(view: Tensor, pages: Tensor, carried: list[bool], starts: list[int]) -> Tensor:
-        return selective_scan_paged(
-            t["x"], t["dt"], t["B"], t["C"], t["z"], params, view, pages, carried, starts
-        )
+        states = StateBatch(starts, pages, carried)
+        return selective_scan_varlen(t["x"], t["dt"], t["B"], t["C"], t["z"], params, view, states)
 
     check_paged_batch((24, 8), run_paged, lambda part, init: scan(t, part, initial_state=init))
 

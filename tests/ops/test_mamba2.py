@@ -16,7 +16,7 @@ from ops_checks import (
 )
 from torch import Tensor
 
-from hybridkv.ops.mamba2 import SSDParams, ssd_chunk_scan, ssd_paged, ssd_state_update, ssd_varlen
+from hybridkv.ops.mamba2 import SSDParams, ssd_chunk_scan, ssd_state_update, ssd_varlen
 from hybridkv.ops.mamba2 import paged as ssd_module
 from hybridkv.ops.paged_state import StateBatch
 
@@ -195,7 +195,8 @@ def test_paged_batch_equals_each_request_alone() -> None:
     params = SSDParams(A=t["A"], D=t["D"], dt_bias=t["dt_bias"], chunk_size=8)
 
     def run_paged(view: Tensor, pages: Tensor, carried: list[bool], starts: list[int]) -> Tensor:
-        return ssd_paged(t["x"], t["dt"], t["B"], t["C"], params, view, pages, carried, starts)
+        states = StateBatch(starts, pages, carried)
+        return ssd_varlen(t["x"], t["dt"], t["B"], t["C"], params, view, states)
 
     def run_alone(part: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
         return scan(t, part, chunk_size=8, initial_state=init)

@@ -97,18 +97,3 @@ def _conv_block(
         captured = ext.index_select(0, block.capture_rows).view(-1, keep, channels)
         write_states(conv_pages, block.capture_pages, captured.transpose(1, 2), "conv.capture")
     return acc.index_select(0, block.x_rows - keep)
-
-
-def causal_conv1d_paged(
-    x: Tensor,
-    conv_pages: Tensor,
-    state_pages: Tensor,
-    has_initial_state: list[bool],
-    starts: list[int],
-    weight: Tensor,
-    bias: Tensor | None,
-    activation: str | None = None,
-) -> Tensor:
-    """:func:`causal_conv1d_varlen` for a caller without a step's :class:`StateBatch`."""
-    states = StateBatch(starts, state_pages, has_initial_state)
-    return causal_conv1d_varlen(x, conv_pages, states, weight, bias, activation)

@@ -170,19 +170,3 @@ def gated_delta_rule_varlen(
         out.index_copy_(0, layout.rows, _chunks(rows, ssm_pages, layout))
     states.copy_final_captures(ssm_pages)
     return out.to(v.dtype)
-
-
-def gated_delta_rule_paged(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    ssm_pages: Tensor,
-    state_pages: Tensor,
-    has_initial_state: list[bool],
-    starts: list[int],
-) -> Tensor:
-    """:func:`gated_delta_rule_varlen` for a caller without a step's :class:`StateBatch`."""
-    states = StateBatch(starts, state_pages, has_initial_state)
-    return gated_delta_rule_varlen(q, k, v, g, beta, ssm_pages, states)

@@ -115,20 +115,3 @@ def _scan_block(
         step += span
     write_states(view, layout.pages, h, "scan.state")
     return ys
-
-
-def selective_scan_paged(
-    x: Tensor,
-    dt: Tensor,
-    B: Tensor,
-    C: Tensor,
-    z: Tensor | None,
-    params: SelectiveScanParams,
-    ssm_pages: Tensor,
-    state_pages: Tensor,
-    has_initial_state: list[bool],
-    starts: list[int],
-) -> Tensor:
-    """:func:`selective_scan_varlen` for a caller without a step's :class:`StateBatch`."""
-    states = StateBatch(starts, state_pages, has_initial_state)
-    return selective_scan_varlen(x, dt, B, C, z, params, ssm_pages, states)

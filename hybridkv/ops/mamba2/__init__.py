@@ -1,7 +1,8 @@
 """Mamba2 SSD ops: chunked prefill scan and one-step decode, both resuming from a state.
 
-Layers call :func:`ssd_paged` (flat varlen batch, state pages read and written in place);
-:func:`ssd_chunk_scan` and :func:`ssd_state_update` are its building blocks.
+Layers call :func:`ssd_varlen` (flat varlen batch, state pages read and written in place,
+captures); :func:`ssd_chunk_scan` and :func:`ssd_state_update` are the references it is
+tested against.
 
 Dispatch: the plain-torch reference in :mod:`.naive` is the only backend today. A fast
 path (mamba_ssm's ``mamba_chunk_scan_combined`` / ``selective_state_update``) plugs in
@@ -18,7 +19,7 @@ from hybridkv.ops.mamba2.naive import (
     ssd_chunk_scan,
     ssd_state_update,
 )
-from hybridkv.ops.mamba2.paged import SSDParams, ssd_paged, ssd_varlen
+from hybridkv.ops.mamba2.paged import SSDParams, ssd_varlen
 
 __all__ = [
     "NO_DT_LIMIT",
@@ -26,7 +27,6 @@ __all__ = [
     "SSDParams",
     "discretize_dt",
     "ssd_chunk_scan",
-    "ssd_paged",
     "ssd_state_update",
     "ssd_varlen",
 ]

@@ -181,19 +181,3 @@ def ssd_varlen(
     if params.D is not None:
         y += params.D.float()[:, None] * xf
     return y.to(x.dtype)
-
-
-def ssd_paged(
-    x: Tensor,
-    dt: Tensor,
-    B: Tensor,
-    C: Tensor,
-    params: SSDParams,
-    ssm_pages: Tensor,
-    state_pages: Tensor,
-    has_initial_state: list[bool],
-    starts: list[int],
-) -> Tensor:
-    """:func:`ssd_varlen` for a caller without a step's :class:`StateBatch`."""
-    states = StateBatch(starts, state_pages, has_initial_state)
-    return ssd_varlen(x, dt, B, C, params, ssm_pages, states)
