@@ -32,7 +32,8 @@ from hybridkv.engine.generation_defaults import default_sampling
 from hybridkv.engine.inputs import InputProcessor, PromptType
 from hybridkv.engine.logits_processors import RowContext
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from hybridkv.engine.runner import ModelRunner
+from hybridkv.engine.prompt_logprobs import chunk_prompt_logprobs
+from hybridkv.engine.runner import ModelRunner, StepLogits
 from hybridkv.engine.sampler import SampledToken, SamplingFailure, sample
 from hybridkv.engine.startup import (
     cache_budget,
@@ -77,6 +78,9 @@ class _Request:
     generators: list[torch.Generator | None] = field(default_factory=list)
     bad_words: list[list[int]] = field(default_factory=list)  # token ids of each
     matchers: list[GrammarMatcher | None] = field(default_factory=list)  # per sequence
+    # vLLM's shape: None at position 0, then {token id: Logprob} per prompt token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_prompt_logprobs: int = 0  # positions filled so far (of len(prompt) - 1)
 
     @property
     def finished(self) -> bool:
@@ -250,6 +254,9 @@ class LLMEngine:
                     matchers=matchers,
                 )
             )
+            if params.prompt_logprobs is not None:
+                self._inbox[-1].prompt_logprobs = [None] * len(ids)
+                seqs[0].needs_prompt_logits = len(ids) > 1
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request (a disconnected client); its pages go back at the next step."""
@@ -306,8 +313,11 @@ class LLMEngine:
         if sched.chunks:
             self.num_steps += 1
             try:
-                logits = self.runner.execute(sched.chunks, self.manager)
-                sampled = self._sample(sched.chunks, logits)
+                logits = self.runner.execute(
+                    sched.chunks, self.manager, self._prompt_logit_chunks(sched.chunks)
+                )
+                self._record_prompt_logprobs(sched.chunks, logits, touched)
+                sampled = self._sample(sched.chunks, logits.last)
             except Exception as exc:  # never leave sequences holding pages after a crash
                 logger.exception("model step failed")
                 for chunk in sched.chunks:
@@ -323,6 +333,34 @@ class LLMEngine:
             else:
                 outputs.append(self._output(req))
         return outputs
+
+    @staticmethod
+    def _prompt_logit_chunks(chunks: list[ScheduledChunk]) -> set[int]:
+        """Chunks whose every row's logits are wanted: prompt positions of a sequence that
+        still owes prompt log-probabilities."""
+        return {
+            i
+            for i, c in enumerate(chunks)
+            if c.seq.needs_prompt_logits and c.start < len(c.seq.prompt_token_ids) - 1
+        }
+
+    def _record_prompt_logprobs(
+        self, chunks: list[ScheduledChunk], logits: StepLogits, touched: dict[str, _Request]
+    ) -> None:
+        for i, rows in logits.rows.items():
+            seq = chunks[i].seq
+            req = self._requests[seq.request_id]
+            assert req.prompt_logprobs is not None and req.params.prompt_logprobs is not None
+            k = req.params.prompt_logprobs
+            for e in chunk_prompt_logprobs(rows, seq.prompt_token_ids, chunks[i].start, k):
+                if req.prompt_logprobs[e.position] is None:
+                    req.num_prompt_logprobs += 1
+                entry = {t: Logprob(lp, r, self._piece(t)) for t, lp, r in e.top}
+                entry.setdefault(e.token_id, Logprob(e.logprob, e.rank, self._piece(e.token_id)))
+                req.prompt_logprobs[e.position] = entry
+            if req.num_prompt_logprobs >= len(seq.prompt_token_ids) - 1:
+                seq.needs_prompt_logits = False  # from now on it may resume from the cache
+            touched[req.request_id] = req
 
     def _sample(
         self, chunks: list[ScheduledChunk], logits: torch.Tensor
@@ -437,6 +475,7 @@ class LLMEngine:
             num_cached_tokens=req.seqs[0].num_cached_tokens,
             metrics=req.metrics,
             error=req.error,
+            prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
         )
 
     def _finish_request(self, req: _Request) -> RequestOutput:

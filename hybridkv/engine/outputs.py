@@ -82,6 +82,8 @@ class RequestOutput:
 
     ``num_cached_tokens``: prompt tokens served from the prefix cache (for n > 1, the
     first completion's count; the others usually reuse the whole prompt).
+    ``prompt_logprobs`` (when asked for): None for the first prompt token, then the
+    token's and the top alternatives' log-probabilities given the tokens before it.
     """
 
     request_id: str
@@ -92,3 +94,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = field(default=None)  # set when the engine had to give up on it
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -10,7 +10,8 @@ holds the state after exactly the chunk's last token.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -23,6 +24,13 @@ from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.models.base import CausalLM
 from hybridkv.sched.scheduler import ScheduledChunk
+
+
+class StepLogits(NamedTuple):
+    """A step's logits: each chunk's last row, and every row of the chunks that asked."""
+
+    last: Tensor  # [len(chunks), vocab] fp32: the row after each chunk's last token
+    rows: dict[int, Tensor]  # chunk index -> [chunk tokens, vocab] fp32, one row per token
 
 
 class ModelRunner:
@@ -63,7 +71,12 @@ class ModelRunner:
             self.arena[dst : dst + size].copy_(self.arena[src : src + size])
             self.num_page_copies += 1
 
-    def build_batch(self, chunks: list[ScheduledChunk], manager: CacheManager) -> ForwardBatch:
+    def build_batch(
+        self,
+        chunks: list[ScheduledChunk],
+        manager: CacheManager,
+        all_rows: Collection[int] = (),
+    ) -> ForwardBatch:
         ids: list[int] = []
         positions: list[int] = []
         starts = [0]
@@ -89,6 +102,9 @@ class ModelRunner:
         def tensor(values: list[int]) -> Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
+        logits_rows: list[int] = []
+        for i in range(len(chunks)):  # every row of the chunks in all_rows, else the last
+            logits_rows += range(starts[i], starts[i + 1]) if i in all_rows else [starts[i + 1] - 1]
         return ForwardBatch(
             input_ids=tensor(ids),
             positions=tensor(positions),
@@ -96,16 +112,31 @@ class ModelRunner:
             num_computed_tokens=tensor(computed),
             block_tables=tables,
             state_pages=states,
+            logits_indices=tensor(logits_rows),
         )
 
     @torch.no_grad()
-    def execute(self, chunks: list[ScheduledChunk], manager: CacheManager) -> Tensor:
-        """Run the step: [len(chunks), vocab] fp32 logits at each chunk's last token."""
+    def execute(
+        self, chunks: list[ScheduledChunk], manager: CacheManager, all_rows: Collection[int] = ()
+    ) -> StepLogits:
+        """Run the step: logits at each chunk's last token, and at every token of the chunks
+        in ``all_rows`` (prompt log-probabilities need them)."""
         self.copy_pages(c for chunk in chunks for c in chunk.allocation.restores)
-        batch = self.build_batch(chunks, manager)
-        logits = self.model(batch, self.views)
+        batch = self.build_batch(chunks, manager, all_rows)
+        logits = self.model(batch, self.views).float()  # [selected rows, vocab]
         self.copy_pages(self._snapshot_copies(chunks, manager))
-        return logits.float()
+        if not all_rows:
+            return StepLogits(logits, {})
+        last: list[int] = []
+        rows: dict[int, Tensor] = {}
+        at = 0
+        for i, chunk in enumerate(chunks):
+            width = chunk.num_tokens if i in all_rows else 1
+            if i in all_rows:
+                rows[i] = logits[at : at + width]
+            last.append(at + width - 1)
+            at += width
+        return StepLogits(logits[last], rows)
 
     @staticmethod
     def _snapshot_copies(chunks: list[ScheduledChunk], manager: CacheManager) -> list[StateCopy]:

@@ -163,6 +163,10 @@ class StructuredOutputManager:
         if matcher.is_error():
             raise ValueError(f"invalid structured output grammar: {matcher.get_error()}")
         compiled = CompiledGrammar(matcher, self.vocab_size)
+        try:  # some grammars fail only at their first mask ("start: start")
+            compiled.matcher().allowed()
+        except ValueError as exc:
+            raise ValueError(f"invalid structured output grammar: {exc}") from None
         with self._lock:
             self._cache[text] = compiled
             while len(self._cache) > CACHE_ENTRIES:

@@ -9,6 +9,7 @@ transformers is not a runtime dependency, so this reads the files a checkpoint s
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from functools import cached_property
@@ -236,3 +237,20 @@ class Tokenizer:
             messages, add_generation_prompt=add_generation_prompt, template_kwargs=kwargs
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+# A worker process's tokenizer (see hybridkv.server.offload): this module imports neither
+# torch nor the server, so a spawned worker starts fast and small.
+_WORKER_TOKENIZER: Tokenizer | None = None
+
+
+def load_worker_tokenizer(model_dir: str) -> None:
+    global _WORKER_TOKENIZER
+    _WORKER_TOKENIZER = Tokenizer(model_dir)
+
+
+def encode_in_worker(text: str, add_special_tokens: bool) -> bytes:
+    """Token ids as int32 bytes: the caller's process never builds the Encoding objects."""
+    assert _WORKER_TOKENIZER is not None, "load_worker_tokenizer was not called"
+    ids = _WORKER_TOKENIZER.encode(text, add_special_tokens=add_special_tokens)
+    return array("i", ids).tobytes()

@@ -33,6 +33,9 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     num_cached_tokens: int = 0  # prompt tokens the first admission found cached
+    # Prompt log-probabilities are still to be computed: the prompt must run in full (no
+    # prefix-cache hit), since a hit skips the positions whose logits are wanted.
+    needs_prompt_logits: bool = False
     admitted_once: bool = False
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from hybridkv.core.ids import ReqId
-from hybridkv.core.manager import Allocation, CacheManager
+from hybridkv.core.manager import Allocation, CacheManager, Hit
 from hybridkv.sched.request import Sequence, SequenceStatus
 
 
@@ -166,7 +166,7 @@ class Scheduler:
     ) -> ScheduledChunk | None:
         rid: ReqId = seq.seq_id
         self.manager.add_request(rid, seq.all_token_ids)
-        hit = self.manager.find_hit(rid)
+        hit = Hit(0) if seq.needs_prompt_logits else self.manager.find_hit(rid)
         start = hit.num_tokens
         end = self._chunk_end(seq, start, budget)
         alloc = self.manager.allocate(rid, end - start, hit)

@@ -28,6 +28,7 @@ from hybridkv.server.config import ServerConfig
 from hybridkv.server.errors import APIError, install_error_handlers
 from hybridkv.server.limits import BodyLimitMiddleware
 from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.offload import TokenizerOffload
 from hybridkv.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -39,7 +40,7 @@ from hybridkv.server.protocol import (
     dump,
 )
 from hybridkv.server.serving import ServingContext, now_s
-from hybridkv.server.tokenize import detokenize, tokenize
+from hybridkv.server.tokenize import detokenize, tokenize, tokenizer_info
 from hybridkv.server.tool_parsers import HermesToolParser, ToolParser
 
 
@@ -101,6 +102,10 @@ def _tokenizer_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
     async def detokenize_route(body: DetokenizeRequest) -> JSONResponse:
         return JSONResponse(await detokenize(ctx, body))
 
+    @router.get("/tokenizer_info")
+    async def tokenizer_info_route() -> JSONResponse:
+        return JSONResponse(tokenizer_info(ctx))
+
     return router
 
 
@@ -150,6 +155,9 @@ def create_app(
         metrics=metrics,
         tool_parser=tool_parser or HermesToolParser(),
     )
+    tokenizer = front.engine.tokenizer
+    if tokenizer is not None:
+        ctx.offload = TokenizerOffload(tokenizer, front.engine.config.model)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -158,6 +166,8 @@ def create_app(
             yield
         finally:
             front.shutdown()
+            if ctx.offload is not None:
+                ctx.offload.shutdown()
 
     app = FastAPI(
         title="hybridkv", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None

@@ -36,6 +36,7 @@ from hybridkv.server.serving import (
     ChoiceDelta,
     ServingContext,
     check_length,
+    check_response_size,
     new_id,
     now_s,
     refuse_unsupported,
@@ -72,24 +73,19 @@ def template_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     return rendered
 
 
-def _render_ids(
+def _render(
     tokenizer: Tokenizer,
     messages: list[dict[str, Any]],
     add_generation_prompt: bool,
     kwargs: dict[str, Any],
     tools: list[dict[str, Any]] | None,
-    max_chars: int,
-) -> list[int] | int:
-    """Token ids of the rendered conversation, or its length in characters if too long."""
-    text = tokenizer.render_chat(
+) -> str:
+    return tokenizer.render_chat(
         messages,
         add_generation_prompt=add_generation_prompt,
         tools=tools,
         template_kwargs=kwargs,
     )
-    if len(text) > max_chars:
-        return len(text)
-    return tokenizer.encode(text, add_special_tokens=False)
 
 
 async def chat_prompt_ids(
@@ -113,18 +109,18 @@ async def chat_prompt_ids(
     ctx.check_prompt_chars(sum(len(m["content"] or "") for m in messages), "messages")
     tool_list = tools.tools if tools is not None else None
     try:
-        rendered = await asyncio.to_thread(
-            _render_ids, tokenizer, messages, req.add_generation_prompt, kwargs, tool_list,
-            ctx.max_prompt_chars,
-        )  # fmt: skip
+        text = await asyncio.to_thread(
+            _render, tokenizer, messages, req.add_generation_prompt, kwargs, tool_list
+        )
     except ValueError as exc:
         raise APIError(str(exc), param="messages") from exc
     except Exception as exc:  # the template's own error, or a TypeError inside it
         raise APIError(f"the chat template rejected the messages: {exc}", param="messages") from exc
-    if isinstance(rendered, int):
-        ctx.check_prompt_chars(rendered, "messages")
-    assert isinstance(rendered, list)
-    return rendered
+    ctx.check_prompt_chars(len(text), "messages")
+    try:  # the template writes the special tokens itself: do not add them twice
+        return await ctx.encode_text(text, add_special_tokens=False)
+    except ValueError as exc:
+        raise APIError(str(exc), param="messages") from exc
 
 
 def chat_logprobs(
@@ -202,7 +198,9 @@ class _Formatter:
         ]
         return content, deltas, stream.num_calls > 0
 
-    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any]:
+    def chunk(
+        self, deltas: list[ChoiceDelta], out: RequestOutput | None = None, prompt: int = 0
+    ) -> dict[str, Any]:
         choices = []
         for d in deltas:
             first = d.index not in self._started
@@ -232,13 +230,13 @@ class _Formatter:
             choice["delta"] = {k: v for k, v in choice["delta"].items() if v is not None}
         return chunk
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]:
         chunk = ChatCompletionChunk(
             id=self.request_id,
             created=self.created,
             model=self.model,
             choices=[],
-            usage=Usage.model_validate(usage(out)),
+            usage=Usage.model_validate(usage(outs)),
         )
         return dump(chunk)
 
@@ -252,7 +250,8 @@ class _Formatter:
         ]
         return AssistantMessage(content=found.content, tool_calls=calls or None)
 
-    def response(self, out: RequestOutput) -> dict[str, Any]:
+    def response(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        [out] = outs
         choices = []
         for c in out.outputs:
             whole = ChoiceDelta.whole(c)
@@ -272,7 +271,7 @@ class _Formatter:
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=Usage.model_validate(usage(out)),
+            usage=Usage.model_validate(usage(outs)),
             prompt_token_ids=out.prompt_token_ids if self.req.return_token_ids else None,
         )
         return dump(response)
@@ -312,6 +311,7 @@ async def create_chat_completion(
     await compile_structure(ctx, structure, param)
     prompt_ids = await chat_prompt_ids(ctx, req, tools)
     check_length(ctx, len(prompt_ids), max_tokens, "messages")
+    check_response_size(ctx, params, len(prompt_ids), max_tokens)
     parser = ctx.tool_parser if tools is not None and tools.parse else None
     fmt = _Formatter(req, new_id("chatcmpl"), ctx.model_name, parser)
-    return await respond(ctx, raw, fmt, prompt_ids, params, req.stream, req.stream_options)
+    return await respond(ctx, raw, fmt, [prompt_ids], params, req.stream, req.stream_options)

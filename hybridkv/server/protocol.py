@@ -128,12 +128,14 @@ class SamplingFields(_Strict):
 
 
 class CompletionRequest(SamplingFields):
-    """``POST /v1/completions``. ``prompt``: text, token ids, or a one-element list of either."""
+    """``POST /v1/completions``. ``prompt``: text, token ids, or a list of either (one
+    choice per prompt and completion, in order: prompt ``i``'s ``j``-th is ``i * n + j``)."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: per prompt token, in each choice
 
 
 class TextPart(_Strict):
@@ -245,6 +247,14 @@ class Usage(_Response):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class PromptLogprob(_Response):
+    """vLLM's prompt_logprobs entry (keyed by token id)."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
 class CompletionLogprobs(_Response):
     """The legacy completions format: parallel lists, one entry per generated token."""
 
@@ -261,6 +271,7 @@ class CompletionChoice(_Response):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(_Response):
@@ -413,7 +424,9 @@ class ErrorResponse(_Response):
 
 # Fields left out when unset: vLLM's extensions a plain OpenAI client never asked for, and
 # tool_calls (OpenAI sends them only when there are calls).
-EXTENSION_KEYS = frozenset({"token_ids", "prompt_token_ids", "stop_reason", "tool_calls"})
+EXTENSION_KEYS = frozenset(
+    {"token_ids", "prompt_token_ids", "stop_reason", "tool_calls", "prompt_logprobs"}
+)
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

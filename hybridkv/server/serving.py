@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from hybridkv.sched.sampling_params import GREEDY_BELOW, SamplingParams
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.errors import APIError, error_body
 from hybridkv.server.metrics import ServerMetrics
+from hybridkv.server.offload import TokenizerOffload
 from hybridkv.server.tool_parsers import HermesToolParser, ToolParser
 
 if TYPE_CHECKING:
@@ -42,6 +43,19 @@ class ServingContext:
     model_name: str
     metrics: ServerMetrics
     tool_parser: ToolParser = field(default_factory=HermesToolParser)
+    offload: TokenizerOffload | None = None  # long texts tokenize in a worker process
+
+    async def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text, off the event loop (a worker process for long texts).
+
+        Raises:
+            ValueError: no tokenizer, or the text contains a lone surrogate.
+        """
+        if self.offload is not None:
+            return await self.offload.encode(text, add_special_tokens)
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer.json: pass prompt token ids")
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens)
 
     @property
     def max_model_len(self) -> int:
@@ -201,12 +215,38 @@ def check_length(
         )
 
 
+MAX_LOGPROB_ENTRIES = 1 << 18  # log-probability entries one response may carry (~13 MB)
+
+
+def check_response_size(
+    ctx: ServingContext, params: SamplingParams, num_prompt_tokens: int, max_tokens: int | None
+) -> None:
+    """A 400 for a request whose log-probabilities alone would make an absurd response:
+    n x (top logprobs + 1) x max_tokens, plus the prompt's when asked for."""
+    entries = 0
+    if params.logprobs is not None:
+        tokens = max_tokens if max_tokens is not None else ctx.max_model_len - num_prompt_tokens
+        entries += params.n * (params.logprobs + 1) * tokens
+    if params.prompt_logprobs is not None:
+        entries += params.n * (params.prompt_logprobs + 1) * num_prompt_tokens
+    if entries > MAX_LOGPROB_ENTRIES:
+        raise APIError(
+            f"this request asks for {entries} log-probability entries (n x (top logprobs + 1) "
+            f"x tokens); at most {MAX_LOGPROB_ENTRIES} per request: lower n, the top "
+            f"logprobs or max_tokens",
+            param="logprobs",
+        )
+
+
 async def encode_in_thread(ctx: ServingContext, prompt: Any) -> list[int]:
     """Token ids of a prompt, tokenized off the event loop (a 4 MiB prompt takes a while);
     text that cannot fit in the context is refused before the tokenizer sees it."""
-    if isinstance(prompt, str):
-        ctx.check_prompt_chars(len(prompt), "prompt")
     try:
+        if isinstance(prompt, str):
+            ctx.check_prompt_chars(len(prompt), "prompt")
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            prompt = await ctx.encode_text(prompt)
         _, ids = await asyncio.to_thread(ctx.engine.engine.inputs.encode, prompt)
     except ValueError as exc:
         raise APIError(str(exc), param="prompt") from exc
@@ -316,6 +356,7 @@ class DeltaTracker:
     """
 
     holdback_chars: int
+    index_offset: int = 0  # added to each completion's index (prompt i of a list: i * n)
     sent_chars: dict[int, int] = field(default_factory=dict)
     sent_tokens: dict[int, int] = field(default_factory=dict)
     # Logprob text offsets count token pieces, not the (held-back) text sent: a token's
@@ -324,9 +365,9 @@ class DeltaTracker:
     done: set[int] = field(default_factory=set)
 
     @classmethod
-    def for_params(cls, params: SamplingParams) -> DeltaTracker:
+    def for_params(cls, params: SamplingParams, index_offset: int = 0) -> DeltaTracker:
         longest = max((len(s) for s in params.stop_strings), default=0)
-        return cls(holdback_chars=max(0, longest - 1))
+        return cls(holdback_chars=max(0, longest - 1), index_offset=index_offset)
 
     def advance(self, out: RequestOutput) -> list[ChoiceDelta]:
         deltas = []
@@ -344,7 +385,7 @@ class DeltaTracker:
             pieces = self.sent_piece_chars.get(comp.index, 0)
             deltas.append(
                 ChoiceDelta(
-                    comp.index,
+                    self.index_offset + comp.index,
                     text,
                     new_ids,
                     logprobs,
@@ -365,15 +406,16 @@ class DeltaTracker:
         return deltas
 
 
-def usage(out: RequestOutput) -> dict[str, Any]:
-    """OpenAI's usage object; cached_tokens is the prefix-cache hit of the prompt."""
-    prompt = len(out.prompt_token_ids)
-    completion = sum(len(c.token_ids) for c in out.outputs)
+def usage(outs: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI's usage object over a request's prompts (each prompt counted once, as vLLM
+    does for n > 1); cached_tokens is the prompts' prefix-cache hit."""
+    prompt = sum(len(out.prompt_token_ids) for out in outs)
+    completion = sum(len(c.token_ids) for out in outs for c in out.outputs)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in outs)},
     }
 
 
@@ -389,41 +431,101 @@ def engine_failure(out: RequestOutput) -> APIError | None:
     return APIError(out.error, status=500 if "failed" in out.error else 400)
 
 
-ChunkMaker = Callable[[list[ChoiceDelta]], dict[str, Any] | None]
+# (new pieces of the choices, the prompt's latest output, the prompt's index) -> a chunk
+ChunkMaker = Callable[[list[ChoiceDelta], RequestOutput, int], dict[str, Any] | None]
+# A chunk carrying more log-probability entries than this is built in a worker thread.
+OFFLOAD_CHUNK_ENTRIES = 512
+
+
+async def merged(
+    ctx: ServingContext, handles: list[RequestStream]
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) of several requests as they come; one request: in order."""
+    if len(handles) == 1:
+        async for out in observed(ctx, handles[0]):
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, handle: RequestStream) -> None:
+        try:
+            async for out in observed(ctx, handle):
+                queue.put_nowait((i, out))
+        except BaseException as exc:  # delivered to the consumer, which re-raises it
+            queue.put_nowait((i, exc))
+        else:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        for handle in handles:
+            handle.close()
+
+
+def _entries(deltas: list[ChoiceDelta]) -> int:
+    return sum(len(entry) for d in deltas for entry in d.logprobs)
 
 
 async def sse_events(
     ctx: ServingContext,
-    stream: RequestStream,
+    handles: list[RequestStream],
     params: SamplingParams,
     make_chunk: ChunkMaker,
-    usage_chunk: Callable[[RequestOutput], dict[str, Any]] | None,
+    usage_chunk: Callable[[list[RequestOutput]], dict[str, Any]] | None,
 ) -> AsyncIterator[str]:
-    """Server-sent events of one request: chunks, an optional usage chunk, ``[DONE]``.
+    """Server-sent events of a request's prompts: chunks, an optional usage chunk, ``[DONE]``.
 
     A failure after the stream started cannot change the 200 status any more, so it is
     sent as an OpenAI error object in a ``data:`` line (what vLLM does), then ``[DONE]``.
+    Large chunks (many log-probabilities) are built and serialized in a worker thread.
     """
-    tracker = DeltaTracker.for_params(params)
-    out: RequestOutput | None = None
+    trackers = [DeltaTracker.for_params(params, i * params.n) for i in range(len(handles))]
+    finals: list[RequestOutput | None] = [None] * len(handles)
     failure: APIError | None = None
     try:
-        async for out in observed(ctx, stream):
+        async for i, out in merged(ctx, handles):
             failure = engine_failure(out)
             if failure is not None:
                 break
-            chunk = make_chunk(deltas) if (deltas := tracker.advance(out)) else None
-            if chunk is not None:
-                yield sse(chunk)
+            finals[i] = out
+            deltas = trackers[i].advance(out)
+            if not deltas:
+                continue
+            if _entries(deltas) > OFFLOAD_CHUNK_ENTRIES:
+                event = await asyncio.to_thread(_sse_chunk, make_chunk, deltas, out, i)
+            else:
+                event = _sse_chunk(make_chunk, deltas, out, i)
+            if event:
+                yield event
     except EngineDeadError as exc:
         failure = APIError(str(exc), status=500)
     finally:
-        stream.close()
+        for handle in handles:
+            handle.close()
     if failure is not None:
         yield sse(error_body(failure.message, failure.status, failure.param, failure.code))
-    elif out is not None and usage_chunk is not None:
-        yield sse(usage_chunk(out))
+    elif usage_chunk is not None and all(out is not None for out in finals):
+        yield sse(usage_chunk([out for out in finals if out is not None]))
     yield "data: [DONE]\n\n"
+
+
+def _sse_chunk(
+    make_chunk: ChunkMaker, deltas: list[ChoiceDelta], out: RequestOutput, prompt: int
+) -> str:
+    chunk = make_chunk(deltas, out, prompt)
+    return sse(chunk) if chunk is not None else ""
 
 
 class Formatter(Protocol):
@@ -431,39 +533,73 @@ class Formatter(Protocol):
 
     request_id: str
 
-    def chunk(self, deltas: list[ChoiceDelta]) -> dict[str, Any] | None: ...
+    def chunk(
+        self, deltas: list[ChoiceDelta], out: RequestOutput, prompt: int
+    ) -> dict[str, Any] | None: ...
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]: ...
+    def usage_chunk(self, outs: list[RequestOutput]) -> dict[str, Any]: ...
 
-    def response(self, out: RequestOutput) -> dict[str, Any]: ...
+    def response(self, outs: list[RequestOutput]) -> dict[str, Any]: ...
+
+
+def open_streams(
+    ctx: ServingContext, request_id: str, prompts: list[list[int]], params: SamplingParams
+) -> list[RequestStream]:
+    """Queue one engine request per prompt (all or none: a refusal closes the others)."""
+    handles: list[RequestStream] = []
+    try:
+        for i, prompt_ids in enumerate(prompts):
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            handles.append(open_stream(ctx, rid, prompt_ids, params))
+    except BaseException:
+        for handle in handles:
+            handle.close()
+        raise
+    return handles
+
+
+async def last_outputs(ctx: ServingContext, handles: list[RequestStream]) -> list[RequestOutput]:
+    try:
+        return list(await asyncio.gather(*(last_output(ctx, h) for h in handles)))
+    finally:
+        for handle in handles:
+            handle.close()
+
+
+def json_bytes(build: Callable[[], dict[str, Any]]) -> bytes:
+    return json.dumps(build(), ensure_ascii=False, separators=(",", ":")).encode()
 
 
 async def respond(
     ctx: ServingContext,
     raw: Request,
     fmt: Formatter,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     params: SamplingParams,
     stream: bool | None,
     stream_options: StreamOptions | None,
 ) -> Response:
-    """Run a validated request: server-sent events if ``stream``, else one JSON response.
+    """Run a validated request (one engine request per prompt): server-sent events if
+    ``stream``, else one JSON response, built and serialized in a worker thread (a response
+    with thousands of log-probabilities takes a while).
 
-    A non-streaming client that leaves gets its request cancelled (status 499, read by
+    A non-streaming client that leaves gets its requests cancelled (status 499, read by
     nobody), and an engine failure becomes an OpenAI error.
     """
-    handle = open_stream(ctx, fmt.request_id, prompt_ids, params)
+    handles = open_streams(ctx, fmt.request_id, prompts, params)
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
         usage_chunk = fmt.usage_chunk if include_usage else None
-        return SSEResponse(sse_events(ctx, handle, params, fmt.chunk, usage_chunk))
-    out = await unless_disconnected(raw, last_output(ctx, handle))
-    if out is None:
+        return SSEResponse(sse_events(ctx, handles, params, fmt.chunk, usage_chunk))
+    outs = await unless_disconnected(raw, last_outputs(ctx, handles))
+    if outs is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    failure = engine_failure(out)
-    if failure is not None:
-        raise failure
-    return JSONResponse(fmt.response(out))
+    for out in outs:
+        failure = engine_failure(out)
+        if failure is not None:
+            raise failure
+    body = await asyncio.to_thread(json_bytes, lambda: fmt.response(outs))
+    return Response(body, media_type="application/json")
 
 
 class SSEResponse(StreamingResponse):

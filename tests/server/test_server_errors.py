@@ -45,7 +45,16 @@ BAD_BODIES = [
     ("empty-prompt", COMPLETIONS, completion(prompt=""), 400, "prompt is empty", "prompt"),
     ("empty-ids", COMPLETIONS, completion(prompt=[]), 400, "prompt is empty", "prompt"),
     ("empty-nested", COMPLETIONS, completion(prompt=[[]]), 400, "prompt is empty", "prompt"),
-    ("batch-prompt", COMPLETIONS, completion(prompt=["a", "b"]), 400, "one prompt", "prompt"),
+    ("empty-in-list", COMPLETIONS, completion(prompt=["a", ""]), 400, "prompt 1 is", "prompt"),
+    ("many-prompts", COMPLETIONS, completion(prompt=["a"] * 129), 400, "at most 128", "prompt"),
+    (
+        "logprob-flood",
+        COMPLETIONS,
+        completion(n=128, logprobs=20, max_tokens=200),
+        400,
+        "log-probability entries",
+        "logprobs",
+    ),
     ("float-ids", COMPLETIONS, completion(prompt=[1.5]), 400, "list of token ids", "prompt"),
     (
         "id-out-of-vocab",
