@@ -288,6 +288,11 @@ async def create_chat_completion(
     """Validate, render the conversation, queue, then stream (SSE) or wait for the reply."""
     ctx.check_model(req.model)
     refuse_unsupported(req)
+    if req.modalities is not None and set(req.modalities) - {"text"}:
+        raise APIError(
+            f"this model outputs text only; modalities {req.modalities} cannot be served",
+            param="modalities",
+        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     logprobs = (req.top_logprobs or 0) if req.logprobs else None

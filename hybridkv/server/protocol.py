@@ -209,6 +209,7 @@ class ChatCompletionRequest(SamplingFields):
     # the legacy names of tools and tool_choice
     functions: list[FunctionDefinition] | None = None
     function_call: Literal["none", "auto"] | NamedFunction | None = None
+    modalities: list[str] | None = None  # only ["text"] can be honoured
 
 
 class TokenizeRequest(_Strict):

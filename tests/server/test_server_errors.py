@@ -116,6 +116,7 @@ BAD_BODIES = [
     ("logprobs-big", COMPLETIONS, completion(logprobs=50), 400, "logprobs must be", "logprobs"),
     ("top-logprobs-alone", CHAT, chat(top_logprobs=2), 400, "needs logprobs", "top_logprobs"),
     ("penalty", CHAT, chat(presence_penalty=3.0), 400, "in [-2, 2]", "presence_penalty"),
+    ("audio", CHAT, chat(modalities=["text", "audio"]), 400, "text only", "modalities"),
     ("rep-penalty-0", CHAT, chat(repetition_penalty=0), 400, "> 0", "repetition_penalty"),
     ("bias-key", COMPLETIONS, completion(logit_bias={"abc": 1}), 400, "keys", "logit_bias"),
     ("bias-range", COMPLETIONS, completion(logit_bias={"1": 150}), 400, "[-100", "logit_bias"),
