@@ -273,7 +273,7 @@ async def create_completion(ctx: ServingContext, req: CompletionRequest, raw: Re
     prompt_logprobs = req.prompt_logprobs
     if req.echo and req.logprobs is not None:  # echo + logprobs: the prompt's too
         prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
-    params: SamplingParams = sampling_params(
+    params = sampling_params(
         req,
         max_tokens,
         req.logprobs,
