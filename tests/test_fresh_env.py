@@ -18,10 +18,8 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ from tests.install_helpers import (
     module_names_of_files,
     quick_start_commands,
 )
+from tests.serve_process import free_port, wait_until_serving
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -235,16 +234,9 @@ def test_demo_chats_and_reports_prefix_cache_hits(fresh_env: FreshEnv, tmp_path:
     assert len(cached) == 5 and cached[0] == 0 and min(cached[1:]) > 0, result.stdout
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.mark.slow
 def test_serve_example_answers_the_openai_client(fresh_env: FreshEnv, tmp_path: Path) -> None:
     """The README's serve example, then its openai-client snippet against it."""
-    import httpx
     from openai import OpenAI
 
     port = free_port()
@@ -255,16 +247,7 @@ def test_serve_example_answers_the_openai_client(fresh_env: FreshEnv, tmp_path: 
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "hybridkv serve did not come up"
-            time.sleep(0.3)
+        wait_until_serving(proc, port, timeout_s=120)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="KEY", max_retries=0)
         reply = client.chat.completions.create(
             model="my-model", messages=[{"role": "user", "content": "What color is the sky?"}],

@@ -3,23 +3,15 @@
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 from openai import OpenAI
 
 from hybridkv.cli import main
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.serve_process import free_port, wait_until_serving
 
 
 @pytest.mark.slow
@@ -32,16 +24,7 @@ def test_serve_command_chats_and_stops_cleanly(checkpoint: Path) -> None:
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.communicate()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "hybridkv serve did not come up"
-            time.sleep(0.2)
+        wait_until_serving(proc, port, timeout_s=60)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["cli-model"]
         reply = client.chat.completions.create(

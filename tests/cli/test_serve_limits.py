@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cli.test_serve import free_port
+from tests.serve_process import free_port, wait_until_serving
 
 HEADER_S, BODY_S, SHUTDOWN_S = 1.5, 2.0, 4.0
 DRAIN_S = 15.0  # time a running request gets after SIGTERM in the shutdown test
@@ -35,16 +35,8 @@ def start(checkpoint: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
         "--shutdown-timeout", str(SHUTDOWN_S), *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while True:
-        assert proc.poll() is None, proc.communicate()
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                return proc, port
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "hybridkv serve did not come up"
-        time.sleep(0.2)
+    wait_until_serving(proc, port, timeout_s=120)
+    return proc, port
 
 
 @pytest.fixture(scope="module")
