@@ -15,7 +15,8 @@ preemption counts: the cost that does not depend on machine load), preemptions, 
 pages, and whether the greedy replies equal those with caching off (they must: the cache
 never changes an answer).
 
-Usage: ``python benchmarks/engine_multiturn.py [--conversations 8] [--repeats 2]``.
+Usage: ``python benchmarks/engine_multiturn.py [--conversations 8] [--repeats 2]
+[--settings 1 3]`` (indices into ``SETTINGS``; caching off always runs).
 """
 
 from __future__ import annotations
@@ -68,7 +69,11 @@ def run_once(
 
 
 def run_grid(
-    model: str, memory_gib: float, requests: list[BenchRequest], repeats: int
+    model: str,
+    memory_gib: float,
+    requests: list[BenchRequest],
+    repeats: int,
+    settings: list[Setting],
 ) -> dict[str, BenchResult]:
     """Each setting's run with the lowest mean TTFT, on a fresh engine each time.
 
@@ -77,7 +82,7 @@ def run_grid(
     """
     best: dict[str, BenchResult] = {}
     for _ in range(repeats):
-        for s in SETTINGS:
+        for s in settings:
             r = run_once(model, memory_gib, s, requests)
             if s.label not in best or r.ttft_mean_s < best[s.label].ttft_mean_s:
                 best[s.label] = r
@@ -136,7 +141,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--repeats", type=int, default=2, help="runs per setting (best kept)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        type=int,
+        help="indices into the grid (0 = caching off, always run: the baseline); default all",
+    )
     args = parser.parse_args()
+    picked = sorted({0, *args.settings}) if args.settings else range(len(SETTINGS))
+    settings = [SETTINGS[i] for i in picked]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         hf_model, path = build_tiny_checkpoint(Path(tmp))
@@ -149,7 +162,7 @@ def main() -> None:
             f"replies; best of {args.repeats} runs per setting"
         )
         for memory_gib in (args.memory_gib, args.small_memory_gib):
-            results = run_grid(str(path), memory_gib, requests, args.repeats)
+            results = run_grid(str(path), memory_gib, requests, args.repeats, settings)
             print_table(f"cache {memory_gib:g} GiB", results)
 
 
