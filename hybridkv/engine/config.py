@@ -14,14 +14,17 @@ vLLM's names are the primary ones where the meaning is the same (``max_model_len
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.eviction import EvictionPolicy
 from hybridkv.core.units import GIB
+from hybridkv.engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_CACHE_MEMORY_GIB = 2.0  # vLLM's CPU backend reserves 4 GiB; our test models are tiny
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -60,6 +63,14 @@ def max_model_len_arg(text: str) -> int | None:
     if text.strip().lower() in ("auto", "-1"):
         return None
     return human_readable_int(text)
+
+
+def json_object_arg(text: str) -> dict[str, Any]:
+    """A flag's JSON object (``--speculative-config``); ValueError otherwise."""
+    value = json.loads(text)  # JSONDecodeError is a ValueError
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +121,12 @@ class EngineConfig:
         seed: seeds the sampling of requests without a seed of their own.
         poison_cache: fill the arena with 0xFF bytes (NaN in every float dtype) at start,
             so a read of cache memory nobody wrote shows up as NaN logits (tests, debugging).
+        speculative_config: speculative decoding, vLLM's JSON object: '{"method": "ngram",
+            "num_speculative_tokens": 4, "prompt_lookup_max": 4}' or '{"method":
+            "draft_model", "model": DIR, "num_speculative_tokens": 4}'; default off.
+        speculative_config: speculative decoding, vLLM's dict (``{"method": "ngram",
+            "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model": DIR,
+            ...}``, see :class:`SpeculativeConfig`); None: off.
     """
 
     model: str
@@ -139,6 +156,9 @@ class EngineConfig:
     retention_interval: int | None = None
     seed: int = 0
     poison_cache: bool = field(default=False, metadata={"cli": False})
+    speculative_config: Mapping[str, Any] | SpeculativeConfig | None = field(
+        default=None, metadata={"metavar": "JSON", "parse": json_object_arg}
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
@@ -180,6 +200,14 @@ class EngineConfig:
         ):
             raise ValueError("override_generation_config must be a JSON object (a dict)")
         self.checkpoint_policy.validate(self.block_size)
+        _ = self.speculative  # a bad speculative_config fails here, naming the key
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        """The validated speculative config, None when speculation is off."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def _check_memory(self) -> None:
         if self.cache_memory_gib is not None and self.gpu_memory_utilization is not None:

@@ -61,14 +61,39 @@ def sample_row(logits: Tensor, row: RowContext) -> SampledToken:
     params = row.params
     processed = process(logits, row)
     if params.greedy:
-        token = int(torch.argmax(processed))
-        if not torch.isfinite(processed[token]):
-            raise ValueError("no token is allowed (every logit is -inf or NaN)")
+        token = greedy_token(processed)
     else:
-        probs = filtered_probs(processed, params)
-        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
-            raise ValueError("the sampling filters left no token with a finite probability")
-        token = int(torch.multinomial(probs, 1, generator=row.generator))
+        token = int(torch.multinomial(checked_probs(processed, params), 1, generator=row.generator))
+    return with_logprobs(logits, token, params)
+
+
+def greedy_token(processed: Tensor) -> int:
+    """The argmax of a processed row.
+
+    Raises:
+        ValueError: every token is banned (-inf) or the row is NaN.
+    """
+    token = int(torch.argmax(processed))
+    if not torch.isfinite(processed[token]):
+        raise ValueError("no token is allowed (every logit is -inf or NaN)")
+    return token
+
+
+def checked_probs(processed: Tensor, params: SamplingParams) -> Tensor:
+    """:func:`filtered_probs` of a processed row.
+
+    Raises:
+        ValueError: the filters left no token with a finite probability.
+    """
+    probs = filtered_probs(processed, params)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0:
+        raise ValueError("the sampling filters left no token with a finite probability")
+    return probs
+
+
+def with_logprobs(logits: Tensor, token: int, params: SamplingParams) -> SampledToken:
+    """``token`` with its log-probability, rank and the top alternatives if asked for, all
+    from the raw row ``logits`` (before any processing, as vLLM reports them)."""
     if params.logprobs is None:
         return SampledToken(token, None, [])
     logprobs = torch.log_softmax(logits, dim=-1)
