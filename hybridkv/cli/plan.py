@@ -28,6 +28,12 @@ def add_plan_parser(commands: Any) -> None:
     p.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model dtype)")
     p.add_argument("--conv-dtype", default=None, help="conv state dtype (default: model dtype)")
     p.add_argument("--ssm-dtype", default=None, help="SSM state dtype (default: family rule)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=0,
+        help="draft tokens per step (speculative decoding): count their scratch state pages",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--list", action="store_true", help="list the built-in model names")
     p.set_defaults(run=run_plan)
@@ -52,6 +58,7 @@ def run_plan(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         block_tokens=args.block_size,
+        num_speculative_tokens=args.num_speculative_tokens,
     )
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
@@ -92,9 +99,15 @@ def print_plan(p: Plan) -> None:
             str(g.pages_per_chunk),
         )
     console.print(groups)
+    held = "live states"
+    if p.num_speculative_tokens:
+        held = (
+            f"live states and {p.num_speculative_tokens} scratch states each "
+            f"({p.num_speculative_tokens} draft tokens per step)"
+        )
     console.print(
         f"arena: {p.layout.num_chunks:,} chunks of {_mib(p.layout.chunk_bytes)}; "
-        f"{p.state_chunks:,} hold the {p.max_num_seqs} live states"
+        f"{p.state_chunks:,} hold the {p.max_num_seqs} sequences' {held}"
     )
     table = Table(title="capacity")
     for col in ("", "hybridkv", "unified page (vLLM sizing)", "physical limit"):

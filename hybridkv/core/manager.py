@@ -4,10 +4,12 @@ Per request and per step::
 
     add_request(req, prompt)          hashes the prompt's full blocks
     hit = find_hit(req)               read-only: the longest hybrid prefix hit
-    alloc = allocate(req, n, hit)     pages for n more tokens, restore copies, and a page
-                                      for every snapshot due in the chunk (its position)
-    ... the runner restores, runs the model, which writes the snapshots ...
-    commit(req, num_computed, new)    publish full blocks and snapshots, apply retention
+    alloc = allocate(req, n, hit)     pages for n more tokens, restore copies, a page for
+                                      every snapshot due in the chunk (its position), and
+                                      scratch states when the last s of them are drafts
+    ... the runner restores, runs the model, which writes the snapshots and scratches ...
+    commit(req, num_computed, new)    keep the state at num_computed (a rejected draft's is
+                                      dropped), publish full blocks and snapshots, retention
     free(req)                         at finish or preemption; hashed pages stay cached
 """
 
@@ -45,6 +47,7 @@ __all__ = [
     "CacheUsage",
     "GroupUsage",
     "Hit",
+    "Scratch",
     "Snapshot",
     "StateCopy",
 ]
@@ -81,12 +84,23 @@ class Snapshot(NamedTuple):
     page: PageId
 
 
+class Scratch(NamedTuple):
+    """A speculative step's state page: the state of ``group_id`` after exactly
+    ``position`` tokens is written into ``page`` during the forward (a draft group's one
+    page is its working state from ``position`` on)."""
+
+    group_id: int
+    position: int
+    page: PageId
+
+
 class Allocation(NamedTuple):
     new_pages: tuple[tuple[PageId, ...], ...]  # new_pages[g]: pages group g added
     restores: tuple[StateCopy, ...]  # snapshot → live, before the forward
     snapshots: tuple[Snapshot, ...]  # states inside (or at the end of) this step's chunk
     num_computed_tokens: int  # tokens in the cache before this step (the hit, at admission)
     num_cached_tokens: int  # prompt tokens the first admission found cached
+    scratch: tuple[Scratch, ...] = ()  # speculative steps only
 
 
 class GroupUsage(NamedTuple):
@@ -149,7 +163,10 @@ class CacheManager:
         self.token_groups: dict[int, AttentionGroup] = {}
         self.state_groups: dict[int, RecurrentGroup] = {}
         self.groups: list[GroupManager] = [self._make_group(g) for g in model.groups]
-        self.recurrent = list(self.state_groups.values())
+        # the target's groups: prefix hits, published blocks, snapshots (a draft model's
+        # groups only ever hold the running requests' own pages)
+        self.cached_groups = [g for g in self.groups if not g.group.is_draft]
+        self.recurrent = [g for g in self.state_groups.values() if not g.group.is_draft]
         self._root = root_hash(model.name, model.model_type, model.dtype, config.cache_salt)
         self._reqs: dict[ReqId, CachedRequest] = {}
         # prompt blocks of started requests: a prefix being computed counts as shared
@@ -182,7 +199,7 @@ class CacheManager:
         if not self.config.enable_prefix_caching:
             return Hit(0)
         req = self._reqs[req_id]
-        return Hit(longest_hybrid_hit(self.groups, req.hashes, len(req.tokens) - 1))
+        return Hit(longest_hybrid_hit(self.cached_groups, req.hashes, len(req.tokens) - 1))
 
     def next_split(self, req_id: ReqId, start: int, end: int) -> int:
         """Where a chunk [start, end) must end: ``end``, unless the cache splits prefills
@@ -206,12 +223,21 @@ class CacheManager:
         return positions[0] if positions else end
 
     def allocate(
-        self, req_id: ReqId, num_new_tokens: int, hit: Hit | None = None
+        self,
+        req_id: ReqId,
+        num_new_tokens: int,
+        hit: Hit | None = None,
+        *,
+        num_speculative_tokens: int = 0,
     ) -> Allocation | None:
         """Pages for ``num_new_tokens`` more tokens; None (and no change) if they do not fit.
 
         The first call of a request takes the hit found by :meth:`find_hit` and returns
         the restore copies that put the snapshot's state into a fresh live page.
+        ``num_speculative_tokens``: the last s of the new tokens are drafts the step may
+        reject; every recurrent group then also takes a scratch page for the state after
+        each position the step may stop at (``Allocation.scratch``), all or nothing with
+        the rest, and :meth:`commit` keeps the one the step stopped at.
         """
         req = self._reqs[req_id]
         self.allocator.tick()
@@ -219,9 +245,12 @@ class CacheManager:
         if first:
             # Re-check: pages seen by find_hit may have been evicted since.
             wanted = hit.num_tokens if hit else 0
-            req.num_computed = longest_hybrid_hit(self.groups, req.hashes, wanted) if wanted else 0
+            req.num_computed = (
+                longest_hybrid_hit(self.cached_groups, req.hashes, wanted) if wanted else 0
+            )
             for group in self.groups:
-                group.take_hit(req_id, req.hashes, req.num_computed)
+                taken = 0 if group.group.is_draft else req.num_computed
+                group.take_hit(req_id, req.hashes, taken)
         total = req.num_computed + num_new_tokens
         new_pages: list[tuple[PageId, ...]] = []
         self.allocator.begin()
@@ -232,6 +261,11 @@ class CacheManager:
                 self.allocator.rollback()
                 return None
             new_pages.append(tuple(pages))
+        scratch = self._reserve_scratch(req_id, total, num_speculative_tokens)
+        if scratch is None:
+            self._undo(req_id, first, new_pages)
+            self.allocator.rollback()
+            return None
         self.allocator.end()
         computed = req.num_computed
         if first:
@@ -243,7 +277,35 @@ class CacheManager:
             self._reserve_snapshots(req_id, req, computed, total),
             num_computed_tokens=computed,
             num_cached_tokens=req.num_cached_tokens,
+            scratch=scratch,
         )
+
+    def _reserve_scratch(
+        self, req_id: ReqId, total: int, num_speculative: int
+    ) -> tuple[Scratch, ...] | None:
+        """Scratch states of a speculative step, for every recurrent group or none.
+
+        The step covers tokens up to ``total``, the last ``s`` drafts: it keeps
+        ``total - s + a`` of them for some ``a`` in ``[0, s]``, and for ``a < s`` the state
+        after the last kept token is one the forward passes through. So a target group
+        takes one page per position ``total - s .. total - 1`` (s pages: vLLM's
+        ``num_speculative_blocks``); a draft group one working page.
+        """
+        if num_speculative <= 0:
+            return ()
+        taken: list[Scratch] = []
+        first_kept = total - num_speculative
+        for group in self.state_groups.values():
+            positions = [first_kept] if group.group.is_draft else list(range(first_kept, total))
+            pages = group.reserve_scratch(req_id, positions)
+            if pages is None:
+                for g in self.state_groups.values():
+                    g.cancel_scratch(req_id)
+                return None
+            taken += [
+                Scratch(group.group_id, p, page) for p, page in zip(positions, pages, strict=True)
+            ]
+        return tuple(taken)
 
     def _start(self, req: CachedRequest) -> None:
         req.started = True
@@ -382,15 +444,20 @@ class CacheManager:
         """Record a finished step: ``num_computed`` tokens are in the cache now.
 
         ``new_token_ids`` are tokens appended to the sequence (sampled ones), hashed so
-        that decode blocks and sequence-end snapshots become reusable too.
+        that decode blocks and sequence-end snapshots become reusable too. After a
+        speculative step ``num_computed`` may be short of what was allocated (drafts were
+        rejected): the live states become the scratch states at ``num_computed``, and the
+        KV written past it is never published (its pages are rewritten by later steps).
         """
         req = self._reqs[req_id]
         req.tokens.extend(new_token_ids)
         req.num_computed = num_computed
+        for state in self.state_groups.values():
+            state.settle(req_id, num_computed)
         if not self.config.enable_prefix_caching:
             return
         extend_block_hashes(req.hashes, self._root, req.tokens, self.block_tokens)
-        for group in self.groups:
+        for group in self.cached_groups:
             group.cache(req_id, req)
 
     def free(self, req_id: ReqId) -> None:

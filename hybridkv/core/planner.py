@@ -9,8 +9,9 @@ page size (vLLM's sizing of hybrid caches) would hold in the same memory.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from hybridkv.core.layout import ArenaLayout, build_layout
 from hybridkv.core.spec import ModelSpec, RecurrentStateSpec
@@ -20,6 +21,8 @@ DEFAULT_MAX_MODEL_LEN = 4096  # when the config names none
 # State pages one running sequence may hold at once: its live state, the snapshot being
 # written this step, and the snapshot it resumed from (held until its restore has run).
 STATE_PAGES_PER_SEQ = 3
+# State pages per sequence: one count for every recurrent group, or one per group id.
+PagesPerSeq: TypeAlias = int | Mapping[int, int]
 UNBOUNDED_TOKENS = 1 << 62  # a model without attention: length costs no memory
 
 
@@ -35,6 +38,8 @@ class GroupPlan:
     used_bytes: int  # bytes the layers need
     block_tokens: int | None  # None for a state group: one page per sequence
     pages_per_chunk: int
+    state_pages_per_seq: int | None = None  # a state group: live (+ scratch) per sequence
+    draft: bool = False  # the speculative draft model's layers
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -89,6 +94,9 @@ class Plan:
     padding_waste_bytes: int
     unified: UnifiedBaseline
     warnings: list[str] = field(default_factory=list)
+    num_speculative_tokens: int = 0
+    # recurrent group id -> state pages one running sequence holds (live + scratch)
+    state_pages_per_seq: dict[int, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -110,6 +118,7 @@ class Plan:
                 "effective": self.concurrency.effective,
                 "binding": self.concurrency.binding,
             },
+            "num_speculative_tokens": self.num_speculative_tokens,
             "padding_waste_bytes": self.padding_waste_bytes,
             "padding_waste_percent": round(100 * self.padding_waste_bytes / self.memory_bytes, 4),
             "chunk_bytes": self.layout.chunk_bytes,
@@ -123,6 +132,8 @@ class Plan:
                     "used_bytes": g.used_bytes,
                     "block_tokens": g.block_tokens,
                     "pages_per_chunk": g.pages_per_chunk,
+                    "state_pages_per_seq": g.state_pages_per_seq,
+                    "draft": g.draft,
                 }
                 for g in self.groups
             ],
@@ -140,13 +151,35 @@ class Plan:
 # ----------------------------------------------------------------------------- arena math
 
 
-def _state_chunks(layout: ArenaLayout, spec: ModelSpec, num_pages: int) -> int:
-    """Full chunks that ``num_pages`` state pages of every recurrent group take.
+def state_pages_per_seq(
+    spec: ModelSpec, num_speculative_tokens: int = 0, held: int = STATE_PAGES_PER_SEQ
+) -> dict[int, int]:
+    """State pages one running sequence may hold at once, per recurrent group.
 
-    One live state per sequence is one page per group; state pages never use the tail.
+    ``held`` pages of a target group (live + snapshots: 3 for the length check, 1 live
+    state for concurrency), plus during a speculative step one scratch page per draft
+    token (the state after each position the step may stop at); a draft model's group
+    holds its live state and, while speculating, one working page (no snapshots).
     """
+    k = num_speculative_tokens
+    return {
+        g.group_id: (1 + bool(k)) if g.is_draft else held + k for g in spec.groups if g.is_recurrent
+    }
+
+
+def _pages(pages_per_seq: PagesPerSeq, group_id: int) -> int:
+    return pages_per_seq if isinstance(pages_per_seq, int) else pages_per_seq[group_id]
+
+
+def _state_chunks(
+    layout: ArenaLayout, spec: ModelSpec, num_seqs: int, pages_per_seq: PagesPerSeq = 1
+) -> int:
+    """Full chunks that the state pages of ``num_seqs`` sequences take in every recurrent
+    group (``pages_per_seq`` each; one live state by default). Never the tail."""
     return sum(
-        -(-num_pages // layout.pages_per_chunk(g.group_id)) for g in spec.groups if g.is_recurrent
+        -(-num_seqs * _pages(pages_per_seq, g.group_id) // layout.pages_per_chunk(g.group_id))
+        for g in spec.groups
+        if g.is_recurrent
     )
 
 
@@ -175,14 +208,15 @@ def max_seq_len(
     layout: ArenaLayout,
     spec: ModelSpec,
     block_tokens: int,
-    state_pages_per_seq: int = STATE_PAGES_PER_SEQ,
+    state_pages_per_seq: PagesPerSeq = STATE_PAGES_PER_SEQ,
 ) -> int:
     """Tokens of the longest single sequence the arena holds (the engine's start-up check).
 
     The same arithmetic as every other figure of the plan: ``state_pages_per_seq`` state
-    pages per recurrent group take whole chunks, attention blocks fill the rest and the tail.
+    pages per recurrent group (one count, or per group id: :func:`state_pages_per_seq`
+    with speculation) take whole chunks, attention blocks fill the rest and the tail.
     """
-    free = layout.num_full_chunks - _state_chunks(layout, spec, state_pages_per_seq)
+    free = layout.num_full_chunks - _state_chunks(layout, spec, 1, state_pages_per_seq)
     if free < 0:
         return 0
     if not spec.num_attention_layers:
@@ -190,11 +224,17 @@ def max_seq_len(
     return _max_kv_blocks(layout, spec, free) * block_tokens
 
 
-def _max_concurrency(layout: ArenaLayout, spec: ModelSpec, block_tokens: int, seq_len: int) -> int:
+def _max_concurrency(
+    layout: ArenaLayout,
+    spec: ModelSpec,
+    block_tokens: int,
+    seq_len: int,
+    pages_per_seq: PagesPerSeq = 1,
+) -> int:
     blocks_per_seq = -(-seq_len // block_tokens) if spec.num_attention_layers else 0
 
     def fits(num_seqs: int) -> bool:
-        free = layout.num_full_chunks - _state_chunks(layout, spec, num_seqs)
+        free = layout.num_full_chunks - _state_chunks(layout, spec, num_seqs, pages_per_seq)
         return free >= 0 and _max_kv_blocks(layout, spec, free) >= num_seqs * blocks_per_seq
 
     low, high = 0, max(1, layout.total_bytes // max(1, spec.state_bytes_per_seq or 1))
@@ -205,30 +245,39 @@ def _max_concurrency(layout: ArenaLayout, spec: ModelSpec, block_tokens: int, se
     return low
 
 
-def _state_bound(layout: ArenaLayout, spec: ModelSpec) -> int | None:
-    """Live states the arena holds when KV takes no room (None: no recurrent group)."""
+def _state_bound(
+    layout: ArenaLayout, spec: ModelSpec, pages_per_seq: PagesPerSeq = 1
+) -> int | None:
+    """Sequences whose states (live, and scratch when speculating) the arena holds when
+    KV takes no room (None: no recurrent group)."""
     if not any(g.is_recurrent for g in spec.groups):
         return None
     low, high = 0, 1
-    while _state_chunks(layout, spec, high) <= layout.num_full_chunks:
+    while _state_chunks(layout, spec, high, pages_per_seq) <= layout.num_full_chunks:
         high *= 2
     while low < high:
         mid = (low + high + 1) // 2
-        fits = _state_chunks(layout, spec, mid) <= layout.num_full_chunks
+        fits = _state_chunks(layout, spec, mid, pages_per_seq) <= layout.num_full_chunks
         low, high = (mid, high) if fits else (low, mid - 1)
     return low
 
 
 def concurrency(
-    layout: ArenaLayout, spec: ModelSpec, block_tokens: int, seq_len: int, max_num_seqs: int
+    layout: ArenaLayout,
+    spec: ModelSpec,
+    block_tokens: int,
+    seq_len: int,
+    max_num_seqs: int,
+    pages_per_seq: PagesPerSeq = 1,
 ) -> Concurrency:
-    """The bounds on sequences of ``seq_len`` running at once; see :class:`Concurrency`."""
+    """The bounds on sequences of ``seq_len`` running at once; see :class:`Concurrency`.
+    ``pages_per_seq``: state pages of each (:func:`state_pages_per_seq`; 1: a live state)."""
     kv_bound = None
     if spec.num_attention_layers:
         blocks_per_seq = -(-seq_len // block_tokens)
         kv_bound = _max_kv_blocks(layout, spec, layout.num_full_chunks) // blocks_per_seq
-    state_bound = _state_bound(layout, spec)
-    joint = _max_concurrency(layout, spec, block_tokens, seq_len)
+    state_bound = _state_bound(layout, spec, pages_per_seq)
+    joint = _max_concurrency(layout, spec, block_tokens, seq_len, pages_per_seq)
     if max_num_seqs <= joint:
         binding = "max_num_seqs"
     elif state_bound is None or (kv_bound is not None and kv_bound <= state_bound):
@@ -249,7 +298,12 @@ def concurrency(
 
 
 def unified_baseline(
-    spec: ModelSpec, memory_bytes: int, block_tokens: int, num_seqs: int, seq_len: int
+    spec: ModelSpec,
+    memory_bytes: int,
+    block_tokens: int,
+    num_seqs: int,
+    seq_len: int,
+    num_speculative_tokens: int = 0,
 ) -> UnifiedBaseline:
     """vLLM's hybrid sizing: attention blocks inflated until one layer's page holds a state.
 
@@ -272,11 +326,13 @@ def unified_baseline(
     attn_groups = -(-len(attn) // group_size) if attn else 0
     state_groups = -(-len(state) // group_size) if state else 0
     num_blocks = max(0, memory_bytes // (group_size * page) - 1)  # block 0 is the null block
+    # with speculation vLLM gives each state group 1 + num_speculative_blocks per sequence
+    state_blocks = state_groups * (1 + num_speculative_tokens)
     kv_tokens = None
     if attn_groups:
-        left = max(0, num_blocks - num_seqs * state_groups)
+        left = max(0, num_blocks - num_seqs * state_blocks)
         kv_tokens = left // attn_groups * unified_block
-    per_seq = attn_groups * -(-seq_len // unified_block) + state_groups
+    per_seq = attn_groups * -(-seq_len // unified_block) + state_blocks
     return UnifiedBaseline(
         block_tokens=unified_block,
         group_size=group_size,
@@ -298,13 +354,19 @@ def plan(
     max_num_seqs: int | None = None,
     max_model_len: int | None = None,
     block_tokens: int = 16,
+    num_speculative_tokens: int = 0,
 ) -> Plan:
     """Lay out the arena and measure it.
+
+    With ``num_speculative_tokens`` every running sequence counts its scratch states
+    (:func:`state_pages_per_seq`) beside its live state.
 
     Raises:
         PlanError: non-positive sizes, or memory too small for one sequence.
     """
     _validate(memory_bytes, max_num_seqs, max_model_len, block_tokens)
+    if num_speculative_tokens < 0:
+        raise PlanError(f"num_speculative_tokens must be >= 0, got {num_speculative_tokens}")
     seq_len = max_model_len or spec.max_model_len or DEFAULT_MAX_MODEL_LEN
     try:
         layout = build_layout(spec.groups, block_tokens, memory_bytes)
@@ -313,7 +375,8 @@ def plan(
     a, s = spec.kv_bytes_per_token, spec.state_bytes_per_seq
     warnings: list[str] = []
     one_seq = s + block_tokens * a
-    fit = _max_seqs_with_one_block(layout, spec)
+    per_seq = state_pages_per_seq(spec, num_speculative_tokens, held=1)
+    fit = _max_seqs_with_one_block(layout, spec, per_seq)
     if fit == 0:
         raise PlanError(
             f"budget too small for one sequence: {memory_bytes} B cannot hold a state "
@@ -327,20 +390,25 @@ def plan(
             f"KV room ({one_seq} B per sequence)"
         )
         num_seqs = fit
-    if _max_concurrency(layout, spec, block_tokens, seq_len) == 0:
+    if _max_concurrency(layout, spec, block_tokens, seq_len, per_seq) == 0:
         raise PlanError(
             f"budget too small for one sequence of max_model_len={seq_len} tokens: "
             f"lower --max-model-len or raise --memory-gib"
         )
-    bounds = concurrency(layout, spec, block_tokens, seq_len, requested_seqs)
-    return _measure(spec, layout, memory_bytes, block_tokens, num_seqs, seq_len, bounds, warnings)
+    bounds = concurrency(layout, spec, block_tokens, seq_len, requested_seqs, per_seq)
+    return _measure(
+        spec, layout, memory_bytes, block_tokens, num_seqs, seq_len, bounds, warnings,
+        num_speculative_tokens,
+    )  # fmt: skip
 
 
-def _max_seqs_with_one_block(layout: ArenaLayout, spec: ModelSpec) -> int:
+def _max_seqs_with_one_block(
+    layout: ArenaLayout, spec: ModelSpec, pages_per_seq: PagesPerSeq = 1
+) -> int:
     low, high = 0, 1 << 20
     while low < high:
         mid = (low + high + 1) // 2
-        free = layout.num_full_chunks - _state_chunks(layout, spec, mid)
+        free = layout.num_full_chunks - _state_chunks(layout, spec, mid, pages_per_seq)
         ok = free >= 0 and (
             not spec.num_attention_layers or _max_kv_blocks(layout, spec, free) >= mid
         )
@@ -357,9 +425,14 @@ def _measure(
     seq_len: int,
     bounds: Concurrency,
     warnings: list[str],
+    num_speculative_tokens: int = 0,
 ) -> Plan:
     a, s = spec.kv_bytes_per_token, spec.state_bytes_per_seq
-    state_chunks = _state_chunks(layout, spec, num_seqs)
+    per_seq = state_pages_per_seq(spec, num_speculative_tokens, held=1)
+    state_chunks = _state_chunks(layout, spec, num_seqs, per_seq)
+    state_bytes = sum(  # live (and scratch) states of one sequence: s without speculation
+        g.page_bytes(block_tokens) * per_seq[g.group_id] for g in spec.groups if g.is_recurrent
+    )
     kv_blocks = _max_kv_blocks(layout, spec, layout.num_full_chunks - state_chunks)
     groups = tuple(
         GroupPlan(
@@ -369,6 +442,8 @@ def _measure(
             used_bytes=layout.pages[g.group_id].used_bytes,
             block_tokens=g.block_tokens(block_tokens),
             pages_per_chunk=layout.pages_per_chunk(g.group_id),
+            state_pages_per_seq=per_seq.get(g.group_id),
+            draft=g.is_draft,
         )
         for g in spec.groups
     )
@@ -377,7 +452,7 @@ def _measure(
         - layout.total_bytes
         + sum(
             layout.padding_bytes_per_chunk(g.group_id)
-            * -(-num_seqs // layout.pages_per_chunk(g.group_id))
+            * -(-num_seqs * per_seq[g.group_id] // layout.pages_per_chunk(g.group_id))
             for g in spec.groups
             if g.is_recurrent
         )
@@ -394,12 +469,16 @@ def _measure(
         groups=groups,
         state_chunks=state_chunks,
         kv_capacity_tokens=kv_blocks * block_tokens if a else None,
-        physical_limit_tokens=(memory_bytes - num_seqs * s) // a if a else None,
+        physical_limit_tokens=(memory_bytes - num_seqs * state_bytes) // a if a else None,
         max_concurrency=bounds.joint,
         concurrency=bounds,
         padding_waste_bytes=padding,
-        unified=unified_baseline(spec, memory_bytes, block_tokens, num_seqs, seq_len),
+        unified=unified_baseline(
+            spec, memory_bytes, block_tokens, num_seqs, seq_len, num_speculative_tokens
+        ),
         warnings=warnings,
+        num_speculative_tokens=num_speculative_tokens,
+        state_pages_per_seq=per_seq,
     )
 
 

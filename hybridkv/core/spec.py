@@ -144,6 +144,7 @@ class LayerCache:
     layer_index: int  # 0-based decoder layer
     name: str  # "attn" or "state": which cache of that layer
     spec: Spec
+    draft: bool = False  # a layer of the speculative draft model (see with_draft)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -161,6 +162,11 @@ class GroupSpec:
     @property
     def is_recurrent(self) -> bool:
         return isinstance(self.spec, RecurrentStateSpec)
+
+    @property
+    def is_draft(self) -> bool:
+        """The group holds draft-model layers (never mixed with the target's)."""
+        return self.layers[0].draft
 
     def page_bytes(self, block_tokens: int) -> int:
         """Bytes of one page: one block of every layer, or one state of every layer."""
@@ -186,14 +192,19 @@ class ModelSpec:
 
     @property
     def groups(self) -> tuple[GroupSpec, ...]:
-        """Layers grouped by equal spec; token groups first, in order of first appearance."""
-        by_spec: dict[Spec, list[LayerCache]] = {}
+        """Layers grouped by equal spec; token groups first, in order of first appearance.
+
+        A draft model's layers (:func:`with_draft`) form groups of their own even where
+        their spec equals a target layer's: the draft runs behind the target, so its pages
+        are never published or shared (docs/architecture.md, "Speculative decoding").
+        """
+        by_spec: dict[tuple[bool, Spec], list[LayerCache]] = {}
         for layer in self.layers:
-            by_spec.setdefault(layer.spec, []).append(layer)
-        ordered = sorted(by_spec.items(), key=lambda kv: isinstance(kv[0], RecurrentStateSpec))
+            by_spec.setdefault((layer.draft, layer.spec), []).append(layer)
+        ordered = sorted(by_spec.items(), key=lambda kv: isinstance(kv[0][1], RecurrentStateSpec))
         return tuple(
             GroupSpec(group_id=i, spec=spec, layers=tuple(layers))
-            for i, (spec, layers) in enumerate(ordered)
+            for i, ((_, spec), layers) in enumerate(ordered)
         )
 
     @property
@@ -225,3 +236,27 @@ class ModelSpec:
     @property
     def is_hybrid(self) -> bool:
         return self.num_attention_layers > 0 and self.num_recurrent_layers > 0
+
+
+def with_draft(target: ModelSpec, draft: ModelSpec) -> ModelSpec:
+    """One spec for a target model and its speculative draft model, sharing one arena.
+
+    The draft's layers follow the target's (``layer_index`` offset by the target's layer
+    count, ``draft=True``), so one CacheManager allocates both for the same token counts
+    and frees them together; the draft's groups stay apart from the target's.
+    """
+    offset = target.num_layers
+    shifted = tuple(
+        LayerCache(
+            layer_index=layer.layer_index + offset, name=layer.name, spec=layer.spec, draft=True
+        )
+        for layer in draft.layers
+    )
+    return ModelSpec(
+        name=f"{target.name}+draft:{draft.name}",
+        model_type=target.model_type,
+        num_layers=offset + draft.num_layers,
+        dtype=target.dtype,
+        max_model_len=target.max_model_len,
+        layers=target.layers + shifted,
+    )

@@ -11,6 +11,13 @@ The machine also plays the runner: it records which prefix every page holds (the
 tokens a KV block or a state has seen) when a step computes it, copies states for
 restores and snapshots, and checks that every hit hands out pages holding exactly the
 request's own prefix, so a wrong page or a KV hit without its state cannot pass.
+
+Speculative steps (issue 16) run drafts the step may reject: the machine writes the
+draft-extended prefix into the KV pages, the live state, every scratch state (the prefix
+up to its position) and the snapshots, keeps a random number of drafts, and checks that
+the live state then holds exactly the kept prefix and that nothing computed from a
+rejected draft is ever handed out by a hit. With a draft model's groups beside the
+target's, those never publish a page nor take a hit.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.eviction import EvictionPolicy
 from hybridkv.core.ids import NULL_PAGE, ReqId
 from hybridkv.core.manager import Allocation, CacheManager
-from hybridkv.core.spec import ModelSpec
+from hybridkv.core.spec import ModelSpec, with_draft
 
 PREFIXES = [list(range(100 * k, 100 * k + 16)) for k in range(3)]
 MAX_REQUESTS = 4
@@ -112,13 +119,59 @@ def machine(
             self._run(req_id, hit is not None, computed, new_end, alloc)
             sampled = [self._sample()] if new_end >= prompt_len else []
             mgr.commit(req_id, new_end, sampled)
+            self._check_snapshots(req_id)
+
+        @rule(req_id=reqs, num_drafts=st.integers(1, 5), kept=st.integers(0, 5))
+        def speculate(self, req_id: ReqId, num_drafts: int, kept: int) -> None:
+            """A decode with ``num_drafts`` drafts of which the first ``kept`` are accepted."""
+            mgr = self.mgr
+            if req_id not in self.prompt_len:
+                return
+            record = mgr._reqs[req_id]
+            for _ in range(4):  # bring the request to decoding (only that speculates)
+                if record.started and record.num_computed == len(record.tokens) - 1:
+                    break
+                self.step(req_id, 12)
+            else:
+                return
+            computed = record.num_computed
+            before = page_counts(mgr)
+            alloc = mgr.allocate(req_id, 1 + num_drafts, num_speculative_tokens=num_drafts)
+            if alloc is None:
+                assert page_counts(mgr) == before
+                return
+            total = computed + 1 + num_drafts
+            target_scratch = [s for s in alloc.scratch if s.group_id in self._target_states()]
+            assert sorted((s.group_id, s.position) for s in target_scratch) == sorted(
+                (g, p) for g in self._target_states() for p in range(computed + 1, total)
+            )
+            drafts = [self._sample() for _ in range(num_drafts)]
+            self._run(req_id, False, computed, total, alloc, drafts)
+            kept = min(kept, num_drafts)
+            bonus = self._sample()
+            while kept < num_drafts and bonus == drafts[kept]:  # a rejected draft differs
+                bonus = self._sample()
+            mgr.commit(req_id, computed + 1 + kept, [*drafts[:kept], bonus])
+            self._check_snapshots(req_id)
+            kept_prefix = tuple(record.tokens[: computed + 1 + kept])
+            for group in mgr.recurrent:  # the rollback: the live state is the kept prefix
+                assert self.holds[group.group_id, mgr.live_page(req_id, group.group_id)] == (
+                    kept_prefix
+                )
 
         def _run(
-            self, req_id: ReqId, first: bool, computed: int, new_end: int, alloc: Allocation
+            self,
+            req_id: ReqId,
+            first: bool,
+            computed: int,
+            new_end: int,
+            alloc: Allocation,
+            drafts: list[int] | None = None,
         ) -> None:
-            """Check what a hit handed out, then write what the step computes."""
+            """Check what a hit handed out, then write what the step computes (the sequence
+            extended by ``drafts`` in a speculative step)."""
             mgr, block = self.mgr, self.mgr.block_tokens
-            seq = tuple(mgr._reqs[req_id].tokens)
+            seq = tuple(mgr._reqs[req_id].tokens) + tuple(drafts or ())
             if first:
                 assert computed % block == 0 and computed < len(seq)
                 assert len(alloc.restores) == (len(mgr.recurrent) if computed else 0)
@@ -148,9 +201,28 @@ def machine(
                 assert computed < snap.position <= new_end
                 assert snap.page != mgr.live_page(req_id, snap.group_id)
                 self.holds[snap.group_id, snap.page] = seq[: snap.position]
+            for scratch in alloc.scratch:
+                assert scratch.page != mgr.live_page(req_id, scratch.group_id)
+                if scratch.group_id in self._target_states():
+                    self.holds[scratch.group_id, scratch.page] = seq[: scratch.position]
+            if first:  # a draft model's groups never take a hit
+                for g, pages in enumerate(alloc.new_pages):
+                    if mgr.groups[g].group.is_draft and not mgr.groups[g].group.is_recurrent:
+                        assert list(pages) == mgr.block_table(req_id, g)
+
+        def _check_snapshots(self, req_id: ReqId) -> None:
+            """Every snapshot the request holds has the state of exactly its own prefix."""
+            tokens = tuple(self.mgr._reqs[req_id].tokens)
+            for group in self.mgr.recurrent:
+                for position, page in group.reqs[req_id].snapshots.items():
+                    assert self.holds[group.group_id, page] == tokens[:position]
 
         def _token_groups(self) -> list:
-            return [g for g in self.mgr.groups if not g.group.is_recurrent]
+            """The target's token groups (a draft model's pages are never handed out)."""
+            return [g for g in self.mgr.cached_groups if not g.group.is_recurrent]
+
+        def _target_states(self) -> set[int]:
+            return {g.group_id for g in self.mgr.recurrent}
 
         @rule(req_id=consumes(reqs))
         def finish(self, req_id: ReqId) -> None:
@@ -171,6 +243,9 @@ def machine(
         @invariant()
         def consistent(self) -> None:
             self.mgr.check_integrity()
+            for group in self.mgr.groups:
+                if group.group.is_draft:
+                    assert group.pool.num_cached_pages == 0, "a draft page was published"
 
         def teardown(self) -> None:
             for req_id in list(self.prompt_len):
@@ -205,7 +280,12 @@ SPARSE_DECODE = CheckpointPolicy(decode_interval_tokens=8, retention_interval_to
 TestHybridSparseDecode = machine(hybrid_model, EvictionPolicy.COST, SPARSE_DECODE).TestCase
 # prefill chunks cut at every snapshot (the hybridkv-prompt-end design)
 TestHybridSplit = machine(hybrid_model, EvictionPolicy.LRU, SPARSE, split=True).TestCase
+# a draft model (same specs as the target, groups of its own) beside the target
+TestDraftModel = machine(
+    lambda: with_draft(hybrid_model(), hybrid_model()), EvictionPolicy.LRU, DENSE
+).TestCase
 for case in (
+    TestDraftModel,
     TestHybridLru,
     TestHybridCost,
     TestSlidingLru,

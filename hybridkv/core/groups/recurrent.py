@@ -65,6 +65,7 @@ class _ReqState:
     created: set[int] = field(default_factory=set)  # positions this request snapshotted
     pending: list[_Pending] = field(default_factory=list)  # ascending positions
     parked: _Parked | None = None  # its newest snapshot, not held (release_newest)
+    scratch: dict[int, PageId] = field(default_factory=dict)  # position → page, one step
 
 
 class RecurrentGroup(GroupManager):
@@ -72,7 +73,7 @@ class RecurrentGroup(GroupManager):
 
     def __init__(self, group: GroupSpec, allocator: PageAllocator, config: CacheConfig) -> None:
         super().__init__(group, allocator, config)
-        self.caching = config.enable_prefix_caching
+        self.caching = config.enable_prefix_caching and not group.is_draft
         self.policy = config.checkpoint
         self.reqs: dict[ReqId, _ReqState] = {}
         self.num_snapshots_taken = 0
@@ -194,6 +195,54 @@ class RecurrentGroup(GroupManager):
         """The parked snapshot is still cached under its hash (not evicted since)."""
         parked = state.parked
         return parked is not None and self.pool.hash_of(parked.page) == parked.block_hash
+
+    def reserve_scratch(self, req_id: ReqId, positions: Sequence[int]) -> list[PageId] | None:
+        """Pages for a speculative step: each receives the state after ``positions[i]``
+        tokens during the forward; None (nothing taken) if they do not all fit.
+
+        Held until the step's :meth:`settle`. A draft group asks for one page, the draft's
+        working state while it proposes (its own live state stays at its last real token).
+        """
+        state = self.reqs[req_id]
+        assert not state.scratch, f"request {req_id} already holds scratch states"
+        pages = self._allocate_pages(len(positions))
+        if pages is not None:
+            state.scratch = dict(zip(positions, pages, strict=True))
+        return pages
+
+    def cancel_scratch(self, req_id: ReqId) -> None:
+        """Give the scratch pages back (the allocation they belonged to failed)."""
+        state = self.reqs[req_id]
+        for page in state.scratch.values():
+            self.pool.release(page, self.allocator.clock)
+        state.scratch = {}
+
+    def settle(self, req_id: ReqId, num_computed: int) -> None:
+        """End a step whose tokens were kept up to ``num_computed``: the live state becomes
+        the state after exactly that many tokens, every scratch page goes back.
+
+        After a speculative step that kept fewer tokens than it computed, the state after
+        the last kept token is in the scratch page of that position: the page ids swap
+        (the old live page, holding the state after a rejected token, is released), so a
+        rollback costs no copy. A snapshot reserved past ``num_computed`` holds a rejected
+        position's state: it is dropped (a reused page's old snapshot is gone already).
+        A draft group's scratch is only ever its working page: never swapped in.
+        """
+        state = self.reqs.get(req_id)
+        if state is None:
+            return
+        clock = self.allocator.clock
+        accepted = None if self.group.is_draft else state.scratch.pop(num_computed, None)
+        if accepted is not None:
+            assert state.live is not None
+            self.pool.release(state.live, clock)
+            state.live = accepted
+        for page in state.scratch.values():
+            self.pool.release(page, clock)
+        state.scratch = {}
+        for pending in [p for p in state.pending if p.position > num_computed]:
+            self.pool.release(pending.page, clock)  # unhashed (a reused page too): free
+            state.pending.remove(pending)
 
     def cancel_snapshot(self, req_id: ReqId, position: int) -> None:
         """Undo :meth:`reserve_snapshot` at ``position`` (no copy has run): a reused page
@@ -361,6 +410,8 @@ class RecurrentGroup(GroupManager):
             self.pool.release(parked.page, clock)
         for pending in state.pending:
             self.pool.release(pending.page, clock)
+        for page in state.scratch.values():
+            self.pool.release(page, clock)
         for position in sorted(state.snapshots):  # deeper snapshots end newer in the LRU
             self.pool.release(state.snapshots[position], clock)
         if state.live is not None:
@@ -372,6 +423,7 @@ class RecurrentGroup(GroupManager):
             pages = list(state.snapshots.values())
             pages += [p for p in (state.live,) if p is not None]
             pages += [p.page for p in state.pending]
+            pages += list(state.scratch.values())
             for page in pages:
                 held[page] = held.get(page, 0) + 1
             assert state.created <= set(state.snapshots)
