@@ -23,7 +23,12 @@ from pathlib import Path
 from typing import Any
 
 MIB = 1 << 20
-DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "shared/model_configs/qwen3.5-0.8b.json"
+CONFIG_NAME = "shared/model_configs/qwen3.5-0.8b.json"
+# the nearest ancestor that has it: from /work/main and from a worktree in /work/wt/<name>
+DEFAULT_CONFIG = next(
+    (p / CONFIG_NAME for p in Path(__file__).resolve().parents if (p / CONFIG_NAME).is_file()),
+    Path(__file__).resolve().parents[2] / CONFIG_NAME,
+)
 
 CHILD = """
 import json, sys, time

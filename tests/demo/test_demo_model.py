@@ -193,6 +193,40 @@ def test_hybridkv_demo_shows_capacity_cache_reuse_and_ttft(
         assert any(r in out for r in replies) or question in KNOWN_WRONG, question
 
 
+def test_hybridkv_demo_warms_both_engines_alike_before_timing(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Caching on and off are timed on equal terms: each engine gets the same warm-up
+    before the first timed turn (warming only the caching-off engine made caching look
+    slower), and the running totals count the scripted turns only."""
+    import hybridkv.cli.demo as demo_cli
+
+    calls: list[tuple[int, bool, int, list[int]]] = []
+    reply = demo_cli._reply
+
+    def recording(engine, prompt, params, stream=True):  # type: ignore[no-untyped-def]
+        calls.append(
+            (
+                id(engine),
+                engine.config.enable_prefix_caching,
+                params.max_tokens,
+                list(prompt["prompt_token_ids"]),
+            )
+        )
+        return reply(engine, prompt, params, stream)
+
+    monkeypatch.setattr(demo_cli, "_reply", recording)
+    assert main(["demo", "--cache-memory-gib", "0.05", "--max-tokens", "4"]) == 0
+    warm_ups, timed = calls[:2], calls[2:]
+    assert {caching for _, caching, _, _ in warm_ups} == {True, False}
+    assert len({engine for engine, *_ in warm_ups}) == 2
+    assert warm_ups[0][2:] == warm_ups[1][2:] and warm_ups[0][2] == 1  # the same warm-up
+    assert len(timed) == 2 * len(SCRIPT) and all(m == 4 for _, _, m, _ in timed)
+    assert {engine for engine, *_ in timed} == {engine for engine, *_ in warm_ups}
+    first = next(line for line in capsys.readouterr().out.splitlines() if "all turns:" in line)
+    assert f"all turns: 0/{len(timed[0][3])} prompt tokens hit" in first, first
+
+
 # ---------------------------------------------------------------------- building variants
 
 
