@@ -128,7 +128,6 @@ class LLMEngine:
                 checkpoint=config.checkpoint_policy,
                 eviction=config.eviction_policy,
                 eviction_alpha=config.eviction_alpha,
-                split_prefill_at_snapshots=True,
             ),
         )
         native = self.spec.max_model_len or self.model_config.get("max_position_embeddings")

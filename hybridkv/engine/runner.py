@@ -2,10 +2,13 @@
 
 The runner owns the one flat uint8 arena the CacheManager's layout describes, and turns a
 scheduled step into the model's input: token ids and positions of every chunk, each
-attention group's page table and each recurrent group's live state page. State snapshots
-are whole-page byte copies on the arena: restores (snapshot -> the request's fresh live
-page) before the forward, snapshots (live page -> snapshot page) after it, so a snapshot
-holds the state after exactly the chunk's last token.
+attention group's page table and each recurrent group's live state page. A prefix hit's
+restore is a whole-page byte copy on the arena (snapshot -> the request's fresh live page)
+before the forward. Snapshots are taken inside the forward (issue 12): each
+``Allocation.snapshots`` entry (the state after exactly ``position`` tokens) becomes a
+capture request to the group's recurrent ops (``ForwardBatch.state_captures``: the row of
+the step's flat token axis after which the state is wanted, and the page to write it to),
+so a snapshot inside a prefill chunk costs a copy, not a step of its own.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from hybridkv.core.spec import ModelSpec
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.models.base import CausalLM
+from hybridkv.ops.paged_state import StateCaptures
 from hybridkv.sched.scheduler import ScheduledChunk
 
 
@@ -88,6 +92,7 @@ class ModelRunner:
             computed.append(chunk.start)
         tables: dict[int, Tensor] = {}
         states: dict[int, Tensor] = {}
+        captures = self._state_captures(chunks, starts)
         for group in self.spec.groups:
             gid = group.group_id
             if group.is_recurrent:
@@ -113,7 +118,29 @@ class ModelRunner:
             block_tables=tables,
             state_pages=states,
             logits_indices=tensor(logits_rows),
+            state_captures=captures,
         )
+
+    def _state_captures(
+        self, chunks: list[ScheduledChunk], starts: list[int]
+    ) -> dict[int, StateCaptures]:
+        """Each snapshot of the step as a capture of its group: the state after exactly
+        ``position`` tokens is the state after the row of token ``position - 1``. Several
+        per request and step are fine (every checkpoint inside a prefill chunk)."""
+        wanted: dict[int, tuple[list[int], list[int]]] = {}
+        for chunk, first_row in zip(chunks, starts, strict=False):
+            for snap in chunk.allocation.snapshots:
+                assert chunk.start < snap.position <= chunk.end, (snap, chunk)
+                rows, pages = wanted.setdefault(snap.group_id, ([], []))
+                rows.append(first_row + snap.position - 1 - chunk.start)
+                pages.append(snap.page)
+        return {
+            gid: StateCaptures(
+                torch.tensor(rows, dtype=torch.int64, device=self.device),
+                torch.tensor(pages, dtype=torch.int64, device=self.device),
+            )
+            for gid, (rows, pages) in wanted.items()
+        }
 
     @torch.no_grad()
     def execute(
@@ -123,8 +150,8 @@ class ModelRunner:
         in ``all_rows`` (prompt log-probabilities need them)."""
         self.copy_pages(c for chunk in chunks for c in chunk.allocation.restores)
         batch = self.build_batch(chunks, manager, all_rows)
-        logits = self.model(batch, self.views).float()  # [selected rows, vocab]
-        self.copy_pages(self._snapshot_copies(chunks, manager))
+        # [selected rows, vocab]; the forward also writes the snapshots (state captures)
+        logits = self.model(batch, self.views).float()
         if not all_rows:
             return StepLogits(logits, {})
         last: list[int] = []
@@ -137,15 +164,3 @@ class ModelRunner:
             last.append(at + width - 1)
             at += width
         return StepLogits(logits[last], rows)
-
-    @staticmethod
-    def _snapshot_copies(chunks: list[ScheduledChunk], manager: CacheManager) -> list[StateCopy]:
-        """Snapshots as copies of the live page after the forward: each must be at its
-        chunk's end (the engine asks the core to split prefills at snapshots)."""
-        copies: list[StateCopy] = []
-        for chunk in chunks:
-            for snap in chunk.allocation.snapshots:
-                assert snap.position == chunk.end, f"snapshot {snap} inside chunk {chunk}"
-                live = manager.live_page(chunk.seq.seq_id, snap.group_id)
-                copies.append(StateCopy(snap.group_id, live, snap.page))
-        return copies

@@ -4,8 +4,11 @@ Every architecture the models support runs the same multi-turn scenario on a tin
 checkpoint: two conversations sharing a system prompt, three turns each (each turn's prompt
 is the previous prompt + the reply + a new message), and a prompt repeated verbatim. The
 rounds are submitted so that reuse is possible: the second conversation starts after the
-first one has cached the system prompt (with a 16-token checkpoint interval, so a recurrent
-state snapshot exists inside it).
+first one has cached the system prompt (with a 16-token checkpoint interval, so recurrent
+state snapshots are taken inside prefill chunks, during the forward). With the default
+snapshots (no interval), users behind a shared system prompt exercise branch points: the
+second user snapshots where the shared prefix ends, inside its prefill, and later ones
+resume there (issue 12).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from engine_checkpoints import ARCHITECTURES, tight_cache_gib
+from engine_checkpoints import ARCH, ARCHITECTURES, tight_cache_gib
 from hybrid_checks import prompt
 from tiny import hf_logits
 
@@ -29,6 +32,8 @@ OPTIONS: dict[str, Any] = {
     "cache_memory_gib": 0.05,
     "poison_cache": True,
 }
+
+DEFAULTS = {k: v for k, v in OPTIONS.items() if k != "checkpoint_interval"}  # branch points
 
 
 def run_scenario(llm: LLM) -> list[tuple[list[int], list[int], int]]:
@@ -74,6 +79,41 @@ def test_multiturn_cache_on_equals_off_equals_transformers(arch: str, checkpoint
     assert_all_released(on)
 
 
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_users_behind_a_system_prompt_hit_its_branch_point(arch: str, checkpoints: Any) -> None:
+    """Default snapshots, a 100-token system prompt (issue 12: three users got 0/0/0 cached
+    tokens): the first user caches its KV only; the second finds it shared and snapshots
+    its end (96 = 12 blocks of 8) inside its own prefill chunk; the third and fourth resume
+    there. Outputs equal cache off and transformers."""
+    hf, path = checkpoints(arch)
+    system = prompt(101, 100)
+    on = LLM(str(path), **DEFAULTS)
+    off = LLM(str(path), enable_prefix_caching=False, **DEFAULTS)
+    cached = []
+    for i in range(4):
+        p = system + prompt(40 + i, 9 + i)
+        [got] = on.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
+        [ref] = off.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert_transformers_greedy(hf, p, got.outputs[0].token_ids)
+        cached.append(got.num_cached_tokens)
+    assert cached == [0, 0, 96, 96]
+    assert_all_released(on)
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["cache_on", "cache_off"])
+def test_a_fresh_prompt_gets_its_first_token_in_one_step(caching: bool, checkpoints: Any) -> None:
+    """Its prompt-end snapshot (40 of 45 tokens) is taken inside the forward: caching
+    costs no step (before issue 12 the prefill was cut at 40, one step more)."""
+    _, path = checkpoints(ARCH)
+    engine = LLM(str(path), enable_prefix_caching=caching, **DEFAULTS).engine
+    engine.add_request("r", {"prompt_token_ids": prompt(5, 45)}, GREEDY)
+    [out] = engine.step()
+    assert len(out.outputs[0].token_ids) == 1
+    assert engine.num_steps == 1
+    assert engine.manager.usage().snapshots_taken == (1 if caching else 0)
+
+
 def assert_transformers_greedy(hf: Any, prompt_ids: list[int], reply: list[int]) -> None:
     """``reply`` is transformers' greedy continuation of ``prompt_ids``.
 
@@ -95,15 +135,16 @@ def assert_all_released(llm: LLM) -> None:
         assert group["pages_used"] == 0, group
 
 
+@pytest.mark.parametrize("snapshots", ["interval", "default"])
 @pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h", "jamba"])  # GDN, Mamba2, Mamba1
 def test_memory_pressure_preempts_and_evicts_without_changing_outputs(
-    arch: str, checkpoints: Any
+    arch: str, snapshots: str, checkpoints: Any
 ) -> None:
     # Architectures whose tight arena runs out of KV pages while sequences decode, so running
     # sequences are preempted. (Where states are the scarce pages, e.g. bamba, new sequences
     # wait at admission instead, which is not preemption.)
     hf, path = checkpoints(arch)
-    options = {**OPTIONS, "max_model_len": 128}
+    options = {**(OPTIONS if snapshots == "interval" else DEFAULTS), "max_model_len": 128}
     small = LLM(str(path), **{**options, "cache_memory_gib": tight_cache_gib(path, options)})
     shared = prompt(7, 24)
     prompts = [shared + prompt(20 + i, 30 + 3 * i) for i in range(8)] + [shared + prompt(20, 30)]

@@ -50,10 +50,7 @@ def test_engine_and_simulator_find_the_same_hits(checkpoints: Any) -> None:
         )
     )
     config = llm.engine.manager.config
-    # the engine cuts prefills at snapshots until its runner passes state captures to the ops
-    assert config == CacheConfig(
-        memory_bytes=int(MEMORY_GIB * (1 << 30)), block_tokens=16, split_prefill_at_snapshots=True
-    )
+    assert config == CacheConfig(memory_bytes=int(MEMORY_GIB * (1 << 30)), block_tokens=16)
     manager = CacheManager(llm.engine.spec, config)
     sim = Simulator(trace, manager, make_tiny_cost(llm.engine.spec), SimConfig())
     result = sim.run()
