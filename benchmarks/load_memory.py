@@ -8,6 +8,9 @@ Qwen3.5-0.8B's published shape with random weights in bf16, built here with tran
 Each load runs in a fresh subprocess, ours and transformers' interleaved, so both see the
 same machine load; the figures are medians. Peak RSS is the process's ``VmHWM`` (imports
 included, as a user would see it); "delta" subtracts the RSS measured just before loading.
+Weights may stay mapped from the safetensors file until first read, so the peak is also
+taken after reading one element per page of every weight ("touched", as a first forward
+would): that is the figure the target is checked against.
 
     python benchmarks/load_memory.py --checkpoint /tmp/qwen35-08b-bf16 [--repeats 3]
 """
@@ -43,7 +46,11 @@ before = rss("VmRSS")
 start = time.perf_counter()
 {load}
 seconds = time.perf_counter() - start
-print(json.dumps({{"seconds": seconds, "peak": rss("VmHWM"), "before": before}}))
+loaded = rss("VmHWM")
+# read one element per page of every weight, so weights still mapped from the file count too
+for t in model.state_dict().values():
+    t.detach().reshape(-1)[::1024].float().sum()
+print(json.dumps({{"seconds": seconds, "peak": loaded, "touched": rss("VmHWM"), "before": before}}))
 """
 LOADERS = {
     "hybridkv": (
@@ -104,15 +111,17 @@ def main() -> None:
         peak = statistics.median(r["peak"] for r in results)
         delta = statistics.median(r["peak"] - r["before"] for r in results)
         seconds = statistics.median(r["seconds"] for r in results)
-        summary[name] = {"peak_mib": peak / MIB, "delta_mib": delta / MIB, "seconds": seconds}
+        touched = statistics.median(r["touched"] for r in results)
+        summary[name] = {"peak_mib": touched / MIB, "seconds": seconds}
         print(
-            f"{name:>12}: peak RSS {peak / MIB:,.0f} MiB (+{delta / MIB:,.0f} MiB over the "
-            f"pre-load RSS), load {seconds:.2f} s  [median of {len(results)}]"
+            f"{name:>12}: peak RSS {peak / MIB:,.0f} MiB after loading (+{delta / MIB:,.0f} MiB "
+            f"over the pre-load RSS), {touched / MIB:,.0f} MiB once every weight is read; "
+            f"load {seconds:.2f} s  [median of {len(results)}]"
         )
     ours, theirs = summary["hybridkv"], summary["transformers"]
     print(
         f"hybridkv/transformers: peak {ours['peak_mib'] / theirs['peak_mib']:.2f}x, "
-        f"time {ours['seconds'] / theirs['seconds']:.2f}x; peak target "
+        f"time {ours['seconds'] / theirs['seconds']:.2f}x; peak (weights read) target "
         f"{'met' if ours['peak_mib'] * MIB <= target else 'MISSED'}"
     )
 
