@@ -17,9 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property
 
-import torch
 from torch import Tensor
 
+from hybridkv.forward.views import AttentionView
+from hybridkv.ops.paged_attention import AttentionPlan, build_attention_plan
 from hybridkv.ops.paged_state import StateBatch, StateCaptures
 
 
@@ -54,6 +55,9 @@ class ForwardBatch:
     logits_indices: Tensor | None = None
     state_captures: dict[int, StateCaptures] = field(default_factory=dict)
     _state_batches: dict[int, StateBatch] = field(default_factory=dict, init=False, repr=False)
+    _attention_plans: dict[tuple[int, int, int | None], AttentionPlan] = field(
+        default_factory=dict, init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         if self.has_initial_state is None:
@@ -61,7 +65,8 @@ class ForwardBatch:
         if self.logits_indices is None:
             self.logits_indices = self.query_start_loc[1:] - 1
 
-    # Host-side copies of the metadata, taken once per step rather than once per layer.
+    # Host-side copies of the metadata and the ops' index tensors, computed once per step
+    # (not once per layer).
 
     @property
     def num_requests(self) -> int:
@@ -92,11 +97,21 @@ class ForwardBatch:
         assert self.has_initial_state is not None
         return [bool(x) for x in self.has_initial_state.tolist()]
 
-    @cached_property
-    def token_request(self) -> Tensor:
-        """[T] int64: the request of each row."""
-        lens = torch.tensor(self.query_lens, dtype=torch.int64, device=self.input_ids.device)
-        return torch.repeat_interleave(torch.arange(self.num_requests, device=lens.device), lens)
+    def attention_plan(self, view: AttentionView) -> AttentionPlan:
+        """The paged-attention index tensors of ``view``'s group, built on the first call of
+        the step and shared by every layer of the group (same tables, block size, window)."""
+        key = (view.group_id, view.block_tokens, view.window_tokens)
+        plan = self._attention_plans.get(key)
+        if plan is None:
+            plan = self._attention_plans[key] = build_attention_plan(
+                self.block_tables[view.group_id],
+                self.starts,
+                self.seq_lens,
+                self.positions,
+                view.block_tokens,
+                view.window_tokens,
+            )
+        return plan
 
     def state_batch(self, group_id: int) -> StateBatch:
         """The step's rows, live pages and captures of recurrent group ``group_id``.

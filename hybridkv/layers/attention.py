@@ -86,16 +86,6 @@ class PagedAttention(nn.Module):
     ) -> Tensor:
         """Write this step's K/V to the pages, then attend over the request's prefix."""
         view = views.attn(self.layer_index)
-        table = batch.block_tables[view.group_id]
-        store_kv(k, v, view.key, view.value, table, batch.token_request, batch.positions)
-        return paged_attention(
-            q,
-            view.key,
-            view.value,
-            table,
-            batch.starts,
-            batch.seq_lens,
-            batch.positions,
-            self.scale,
-            view.window_tokens,
-        )
+        plan = batch.attention_plan(view)
+        store_kv(k, v, view.key, view.value, plan)
+        return paged_attention(q, view.key, view.value, plan, self.scale)

@@ -1,19 +1,35 @@
-"""Paged attention == dense causal attention; never reads unwritten slots or -1 pages."""
+"""Paged attention == dense causal attention; never reads unwritten slots or -1 pages.
+
+The batched op (one SDPA call for the decodes, one padded call for the prefill chunks) is
+checked against the per-request reference and against dense attention on ragged steps:
+fresh prefills of different lengths, chunks after a cached prefix, decodes, sliding
+windows, GQA, a value dim unlike the key dim, all in an arena of NaN with pages scattered.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
+from torch import Tensor
 
-from hybridkv.ops.paged_attention import paged_attention, paged_request_attention, store_kv
+from hybridkv.ops.paged_attention import (
+    build_attention_plan,
+    paged_attention,
+    paged_attention_reference,
+    store_kv,
+    store_kv_reference,
+)
 
 B, HQ, HKV, D, DV = 4, 6, 2, 8, 5  # GQA 3:1, value dim != key dim
+SCALE = D**-0.5
 
 
-def dense_attention(q, k, v, q_pos, window):
+def dense_attention(q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, window: int | None) -> Tensor:
     """q [n, Hq, D], k/v [L, Hkv, *] for positions 0..L-1."""
     k, v = k.repeat_interleave(HQ // HKV, 1), v.repeat_interleave(HQ // HKV, 1)
-    scores = torch.einsum("nhd,lhd->hnl", q, k) * D**-0.5
+    scores = torch.einsum("nhd,lhd->hnl", q, k) * SCALE
     k_pos = torch.arange(k.shape[0])
     allowed = k_pos[None] <= q_pos[:, None]
     if window is not None:
@@ -22,75 +38,128 @@ def dense_attention(q, k, v, q_pos, window):
     return torch.einsum("hnl,lhd->nhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_mixed_batch_matches_dense(window: int | None) -> None:
-    """Request 0 prefills 9 tokens from scratch, 1 decodes at 13, 2 continues 6 after 7."""
-    gen = torch.Generator().manual_seed(0)
-    computed, new = [0, 13, 7], [9, 1, 6]
-    total = [c + n for c, n in zip(computed, new, strict=True)]
-    kc = torch.full((20, B, HKV, D), float("nan"))
-    vc = torch.full((20, B, HKV, DV), float("nan"))
-    tables = torch.full((3, 8), -1)
-    pages = iter([17, 3, 11, 0, 8, 19, 5, 2, 14, 6, 12, 9])
-    full_k = [torch.randn(t, HKV, D, generator=gen) for t in total]
-    full_v = [torch.randn(t, HKV, DV, generator=gen) for t in total]
-    for r, t in enumerate(total):
-        for blk in range(-(-t // B)):
-            if window is None or (blk + 1) * B > computed[r] - window:
-                tables[r, blk] = next(pages)  # blocks fully outside the window stay -1
-        for p in range(computed[r]):  # the cached prefix
-            kc[tables[r, p // B], p % B] = full_k[r][p]
-            vc[tables[r, p // B], p % B] = full_v[r][p]
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, new, strict=True)])
-    token_req = torch.repeat_interleave(torch.arange(3), torch.tensor(new))
-    k_new = torch.cat([full_k[r][computed[r] :] for r in range(3)])
-    v_new = torch.cat([full_v[r][computed[r] :] for r in range(3)])
-    store_kv(k_new, v_new, kc, vc, tables, token_req, positions)
-    q = torch.randn(sum(new), HQ, D, generator=gen)
-    starts = [0, 9, 10, 16]
-    out = paged_attention(q, kc, vc, tables, starts, total, positions, D**-0.5, window)
-    assert torch.isfinite(out).all()
-    for r in range(3):
-        lo, hi = starts[r], starts[r + 1]
-        ref = dense_attention(q[lo:hi], full_k[r], full_v[r], positions[lo:hi], window)
-        torch.testing.assert_close(out[lo:hi], ref, atol=1e-5, rtol=1e-5)
+@dataclass
+class Step:
+    """One step's tensors over a NaN arena, each request's full K/V kept for the reference."""
 
+    computed: list[int]
+    new: list[int]
+    window: int | None
+    dtype: torch.dtype = torch.float32
+    seed: int = 0
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_batched_decodes_match_per_request(window: int | None) -> None:
-    """Decodes of lengths 1..23 around a prefill chunk: one batched SDPA == the per-request
-    path to 1e-5, in a NaN arena with -1 pages outside the window (padding must not leak)."""
-    gen = torch.Generator().manual_seed(1)
-    computed = [0, 12, 4, 1, 22, 0, 7, 3]  # request 2 prefills; the rest decode
-    new = [1, 1, 5, 1, 1, 1, 1, 1]
-    total = [c + n for c, n in zip(computed, new, strict=True)]
-    kc = torch.full((40, B, HKV, D), float("nan"))
-    vc = torch.full((40, B, HKV, DV), float("nan"))
-    tables = torch.full((len(total), 8), -1)
-    pages = iter(torch.randperm(40, generator=gen).tolist())
-    full_k = [torch.randn(t, HKV, D, generator=gen) for t in total]
-    full_v = [torch.randn(t, HKV, DV, generator=gen) for t in total]
-    for r, t in enumerate(total):
-        for blk in range(-(-t // B)):
-            if window is None or (blk + 1) * B > computed[r] - window:
-                tables[r, blk] = next(pages)
-        for p in range(computed[r]):
-            kc[tables[r, p // B], p % B] = full_k[r][p]
-            vc[tables[r, p // B], p % B] = full_v[r][p]
-    positions = torch.cat([torch.arange(c, c + n) for c, n in zip(computed, new, strict=True)])
-    token_req = torch.repeat_interleave(torch.arange(len(total)), torch.tensor(new))
-    k_new = torch.cat([full_k[r][computed[r] :] for r in range(len(total))])
-    v_new = torch.cat([full_v[r][computed[r] :] for r in range(len(total))])
-    store_kv(k_new, v_new, kc, vc, tables, token_req, positions)
-    q = torch.randn(sum(new), HQ, D, generator=gen)
-    starts = [0, *torch.tensor(new).cumsum(0).tolist()]
-    out = paged_attention(q, kc, vc, tables, starts, total, positions, D**-0.5, window)
-    assert torch.isfinite(out).all()
-    for r in range(len(total)):
-        lo, hi = starts[r], starts[r + 1]
-        one = paged_request_attention(
-            q[lo:hi], kc, vc, tables[r], total[r], positions[lo:hi], D**-0.5, window
+    def __post_init__(self) -> None:
+        gen = torch.Generator().manual_seed(self.seed)
+        self.total = [c + n for c, n in zip(self.computed, self.new, strict=True)]
+        num_pages = sum(-(-t // B) for t in self.total) + 3
+        self.key_cache = torch.full((num_pages, B, HKV, D), float("nan"), dtype=self.dtype)
+        self.value_cache = torch.full((num_pages, B, HKV, DV), float("nan"), dtype=self.dtype)
+        width = max(-(-t // B) for t in self.total)
+        self.tables = torch.full((len(self.total), width), -1)
+        pages = iter(torch.randperm(num_pages, generator=gen).tolist())
+        self.full_k = [torch.randn(t, HKV, D, generator=gen).to(self.dtype) for t in self.total]
+        self.full_v = [torch.randn(t, HKV, DV, generator=gen).to(self.dtype) for t in self.total]
+        for r, t in enumerate(self.total):
+            first_needed = 0 if self.window is None else self.computed[r] - self.window + 1
+            for blk in range(-(-t // B)):
+                if (blk + 1) * B > first_needed:  # blocks wholly outside the window stay -1
+                    self.tables[r, blk] = next(pages)
+            for p in range(max(0, first_needed), self.computed[r]):  # the cached prefix
+                self.key_cache[self.tables[r, p // B], p % B] = self.full_k[r][p]
+                self.value_cache[self.tables[r, p // B], p % B] = self.full_v[r][p]
+        self.positions = torch.cat(
+            [torch.arange(c, c + n) for c, n in zip(self.computed, self.new, strict=True)]
         )
-        torch.testing.assert_close(out[lo:hi], one, atol=1e-5, rtol=1e-5)
-        ref = dense_attention(q[lo:hi], full_k[r], full_v[r], positions[lo:hi], window)
-        torch.testing.assert_close(out[lo:hi], ref, atol=1e-5, rtol=1e-5)
+        self.starts = [0, *torch.tensor(self.new).cumsum(0).tolist()]
+        self.query = torch.randn(sum(self.new), HQ, D, generator=gen).to(self.dtype)
+        self.k_new = torch.cat([k[c:] for k, c in zip(self.full_k, self.computed, strict=True)])
+        self.v_new = torch.cat([v[c:] for v, c in zip(self.full_v, self.computed, strict=True)])
+
+    def run_batched(self) -> Tensor:
+        plan = build_attention_plan(
+            self.tables, self.starts, self.total, self.positions, B, self.window
+        )
+        store_kv(self.k_new, self.v_new, self.key_cache, self.value_cache, plan)
+        return paged_attention(self.query, self.key_cache, self.value_cache, plan, SCALE)
+
+    def run_reference(self) -> Tensor:
+        lens = torch.tensor(self.new)
+        token_req = torch.repeat_interleave(torch.arange(len(self.new)), lens)
+        store_kv_reference(
+            self.k_new,
+            self.v_new,
+            self.key_cache,
+            self.value_cache,
+            self.tables,
+            token_req,
+            self.positions,
+        )
+        return paged_attention_reference(
+            self.query,
+            self.key_cache,
+            self.value_cache,
+            self.tables,
+            self.starts,
+            self.total,
+            self.positions,
+            SCALE,
+            self.window,
+        )
+
+    def dense(self, r: int) -> Tensor:
+        lo, hi = self.starts[r], self.starts[r + 1]
+        q = self.query[lo:hi].float()
+        k, v = self.full_k[r].float(), self.full_v[r].float()
+        return dense_attention(q, k, v, self.positions[lo:hi], self.window)
+
+
+STEPS = {
+    # request 0 prefills 9 from scratch, 1 decodes at 13, 2 continues 6 after 7
+    "mixed": ([0, 13, 7], [9, 1, 6]),
+    # decodes of lengths 1..23 around one prefill chunk
+    "decodes": ([0, 12, 4, 1, 22, 0, 7, 3], [1, 1, 5, 1, 1, 1, 1, 1]),
+    # fresh prefills of different lengths only (the causal fast path)
+    "fresh_ragged": ([0, 0, 0, 0], [2, 17, 5, 11]),
+    # chunks after cached prefixes of different lengths, no decode
+    "prefix_ragged": ([3, 30, 0, 12], [14, 2, 7, 9]),
+    # one long prefill beside short ones and decodes
+    "long_short": ([0, 5, 40, 2, 0], [37, 1, 1, 3, 2]),
+}
+
+
+@pytest.mark.parametrize("window", [None, 5, 64], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("name", list(STEPS))
+def test_batched_matches_reference_and_dense(name: str, window: int | None) -> None:
+    computed, new = STEPS[name]
+    batched_step = Step(computed, new, window, seed=len(name))
+    out = batched_step.run_batched()
+    assert torch.isfinite(out).all()
+    reference_step = Step(computed, new, window, seed=len(name))
+    ref = reference_step.run_reference()
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(batched_step.key_cache, reference_step.key_cache, equal_nan=True)
+    torch.testing.assert_close(batched_step.value_cache, reference_step.value_cache, equal_nan=True)
+    for r in range(len(new)):
+        lo, hi = batched_step.starts[r], batched_step.starts[r + 1]
+        torch.testing.assert_close(out[lo:hi], batched_step.dense(r), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mixed", "fresh_ragged", "prefix_ragged"])
+def test_bf16_batched_matches_reference(name: str) -> None:
+    computed, new = STEPS[name]
+    out = Step(computed, new, None, torch.bfloat16, seed=3).run_batched()
+    ref = Step(computed, new, None, torch.bfloat16, seed=3).run_reference()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_plan_uses_causal_rule_only_without_a_prefix() -> None:
+    fresh = Step([0, 0], [3, 5], None)
+    plan = build_attention_plan(fresh.tables, fresh.starts, fresh.total, fresh.positions, B, None)
+    assert plan.prefill is not None and plan.prefill.keys.mask is None and plan.decode is None
+    resumed = Step([0, 4], [3, 5], None)
+    plan = build_attention_plan(
+        resumed.tables, resumed.starts, resumed.total, resumed.positions, B, None
+    )
+    assert plan.prefill is not None and plan.prefill.keys.mask is not None
+    assert plan.prefill.keys.mask.shape == (2, 1, 5, 9)

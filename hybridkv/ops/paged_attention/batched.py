@@ -1,0 +1,79 @@
+"""Paged attention over a whole step: one SDPA call for the decodes, one for the prefills.
+
+The index tensors come from an :class:`~hybridkv.ops.paged_attention.plan.AttentionPlan`
+built once per step and attention group; a layer gathers its K/V pages with them and
+attends. Equal to :func:`~hybridkv.ops.paged_attention.naive.paged_attention_reference`
+(one request at a time) to float rounding; tests/ops/test_paged_attention.py checks it on
+ragged batches in a NaN arena.
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from hybridkv.ops.paged_attention.plan import AttentionPlan, DecodeBatch, KeyGather, PrefillBatch
+
+
+def store_kv(
+    key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan
+) -> None:
+    """Write this step's K/V [T, Hkv, D | Dv] into their page slots (``plan.write_*``)."""
+    key_cache[plan.write_pages, plan.write_slots] = key.to(key_cache.dtype)
+    value_cache[plan.write_pages, plan.write_slots] = value.to(value_cache.dtype)
+
+
+def paged_attention(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan, scale: float
+) -> Tensor:
+    """Causal GQA attention of every row of the step over its request's paged keys.
+
+    Args:
+        query: [T, Hq, D], request-major; Hq a multiple of Hkv.
+        key_cache / value_cache: [num_pages, B, Hkv, D | Dv], holding this step's K/V.
+        plan: the step's plan for this layer's group.
+        scale: softmax scale.
+
+    Returns:
+        [T, Hq, Dv] in the query dtype.
+    """
+    out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
+    if plan.decode is not None:
+        out[plan.decode.rows] = _decode(query, key_cache, value_cache, plan.decode, scale)
+    if plan.prefill is not None:
+        out[plan.prefill.out_rows] = _prefill(query, key_cache, value_cache, plan.prefill, scale)
+    return out
+
+
+def _gather(cache: Tensor, keys: KeyGather, dtype: object) -> Tensor:
+    """[n, Lk, Hkv, d] -> [n, Hkv, Lk, d] in the query dtype."""
+    return cache[keys.pages, keys.slots].to(dtype).transpose(1, 2)
+
+
+def _decode(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, batch: DecodeBatch, scale: float
+) -> Tensor:
+    """[N, Hq, Dv]: the Hq/Hkv query heads of a KV head ride in SDPA's query-length axis."""
+    num_kv_heads = key_cache.shape[2]
+    q = query[batch.rows]  # [N, Hq, D]
+    num, num_heads, head_dim = q.shape
+    q = q.view(num, num_kv_heads, num_heads // num_kv_heads, head_dim)  # h = g * rep + i
+    k = _gather(key_cache, batch.keys, query.dtype)
+    v = _gather(value_cache, batch.keys, query.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.keys.mask, scale=scale)
+    return out.reshape(num, num_heads, -1)  # [N, Hkv, rep, Dv] -> [N, Hq, Dv]
+
+
+def _prefill(
+    query: Tensor, key_cache: Tensor, value_cache: Tensor, batch: PrefillBatch, scale: float
+) -> Tensor:
+    """[Tp, Hq, Dv] for the prefill rows, one padded SDPA call (GQA by ``enable_gqa``)."""
+    q = query[batch.query_rows].transpose(1, 2)  # [R, Lq, Hq, D] -> [R, Hq, Lq, D]
+    k = _gather(key_cache, batch.keys, query.dtype)  # [R, Hkv, Lk, D]
+    v = _gather(value_cache, batch.keys, query.dtype)
+    mask = batch.keys.mask
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+    )  # [R, Hq, Lq, Dv]
+    flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])  # [R * Lq, Hq, Dv]
+    return flat[batch.out_src]
