@@ -94,20 +94,68 @@ class CausalLM(nn.Module):
             KeyError: a checkpoint tensor has no parameter, or a parameter got no tensor.
             ValueError: a shape mismatch.
         """
-        params = dict(self.named_parameters())
+        params: dict[str, nn.Parameter] = dict(self.named_parameters())
+        views = self.checkpoint_views()
         loaded: set[str] = set()
         for raw_name, raw_tensor in weights:
             name = self.remap_weight_name(raw_name)
             if name is None or (self.tie_word_embeddings and name == "lm_head.weight"):
                 continue
             for part_name, tensor in self.split_weight(name, raw_tensor):
-                _copy_param(params, part_name, tensor, self.materialize_device)
+                if part_name in views:
+                    owner, index = views[part_name]
+                    _copy_into_param(
+                        params[owner], index, part_name, tensor, self.materialize_device
+                    )
+                else:
+                    _copy_param(params, part_name, tensor, self.materialize_device)
                 loaded.add(part_name)
+        parts: dict[str, list[str]] = {}
+        for name, (owner, _) in views.items():
+            parts.setdefault(owner, []).append(name)
+        loaded |= {owner for owner, names in parts.items() if loaded.issuperset(names)}
         missing = set(params) - loaded
         if self.tie_word_embeddings:
             missing.discard("lm_head.weight")
         if missing:
             raise KeyError(f"checkpoint has no tensor for {sorted(missing)[:8]} ...")
+
+    def checkpoint_views(self) -> dict[str, tuple[str, tuple[int | slice, ...]]]:
+        """Checkpoint names stored inside a bigger parameter -> (its name, the index of the
+        part in it).
+
+        Modules with a ``checkpoint_views()`` method (the stacked experts of
+        :class:`~hybridkv.layers.moe.GroupedExperts`) map local names to (local parameter
+        name, index); a checkpoint holds either the whole parameter or all its parts.
+        """
+        found: dict[str, tuple[str, tuple[int | slice, ...]]] = {}
+        for prefix, module in self.named_modules():
+            method = getattr(module, "checkpoint_views", None)
+            if module is self or not callable(method):
+                continue
+            for local, (param, index) in method().items():
+                found[f"{prefix}.{local}"] = (f"{prefix}.{param}", index)
+        return found
+
+
+def _copy_into_param(
+    param: nn.Parameter,
+    index: tuple[int | slice, ...],
+    name: str,
+    tensor: Tensor,
+    device: torch.device,
+) -> None:
+    """Copy a checkpoint tensor into the part ``param[index]`` (a meta ``param`` is first
+    materialised, uninitialised, on ``device``: its other parts come from other tensors)."""
+    if param.is_meta:
+        real = nn.Parameter(
+            torch.empty(param.shape, dtype=param.dtype, device=device), param.requires_grad
+        )
+        torch.utils.swap_tensors(param, real)
+    part = param.data[index]
+    if part.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(part.shape)}")
+    part.copy_(tensor.to(param.dtype))
 
 
 def _copy_param(

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.core.spec import ModelSpec
@@ -27,17 +26,15 @@ from hybridkv.forward.views import CacheViews
 from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.mamba2 import Mamba2Mixer
 from hybridkv.layers.mlp import activation
+from hybridkv.layers.moe import GroupedExperts, moe_forward
 from hybridkv.layers.norm import RMSNorm
 from hybridkv.models.base import CausalLM
 from hybridkv.models.common import attention_config_from, hybrid_layers, mamba2_mixer, state_specs
 
-
-class FusedLinear(nn.Module):
-    """A bare ``weight`` parameter, so checkpoint names like ``input_linear.weight`` load."""
-
-    def __init__(self, *shape: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(*shape))
+_EXPERT_NAMES = (
+    ("block_sparse_moe.input_linear.weight", "block_sparse_moe.experts.gate_up_proj"),
+    ("block_sparse_moe.output_linear.weight", "block_sparse_moe.experts.down_proj"),
+)
 
 
 class SharedMLP(nn.Module):
@@ -63,27 +60,23 @@ class Router(nn.Module):
 
 
 class GraniteMoE(nn.Module):
-    """Top-k routing, softmax over the chosen logits, SwiGLU experts."""
+    """Top-k routing, softmax over the chosen logits, SwiGLU experts.
+
+    The checkpoint's fused ``input_linear.weight`` [E, 2I, H] ([gate | up]) and
+    ``output_linear.weight`` [E, H, I] are the experts' stacked weights as they are.
+    """
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, act: str):
         super().__init__()
         self.top_k = top_k
         self.router = Router(hidden, num_experts)
-        self.input_linear = FusedLinear(num_experts, 2 * intermediate, hidden)
-        self.output_linear = FusedLinear(num_experts, hidden, intermediate)
-        self.act = activation(act)
+        self.experts = GroupedExperts(num_experts, hidden, intermediate, activation(act))
 
     def forward(self, x: Tensor) -> Tensor:
         logits = self.router.layer(x).float()  # [T, E]
         top_logits, experts = logits.topk(self.top_k, dim=-1)  # [T, k]
         weights = torch.softmax(top_logits, dim=-1).type_as(x)
-        out = torch.zeros_like(x)
-        for expert_id in torch.unique(experts).tolist():
-            token, slot = torch.where(experts == expert_id)
-            gate, up = F.linear(x[token], self.input_linear.weight[expert_id]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.output_linear.weight[expert_id])
-            out.index_add_(0, token, (y * weights[token, slot, None]).to(out.dtype))
-        return out
+        return moe_forward(x, weights, experts, self.experts)
 
 
 class GraniteMoeHybridDecoderLayer(nn.Module):
@@ -157,6 +150,13 @@ class GraniteMoeHybridForCausalLM(CausalLM):
             int(cfg["num_experts_per_tok"]),
             self._act,
         )
+
+    def remap_weight_name(self, name: str) -> str | None:
+        """The fused expert weights are :class:`GroupedExperts`' stacked parameters."""
+        for old, new in _EXPERT_NAMES:
+            if name.endswith(old):
+                return name.removesuffix(old) + new
+        return name
 
     def embed(self, batch: ForwardBatch) -> Tensor:
         return self.model.embed_tokens(batch.input_ids) * self.embedding_multiplier

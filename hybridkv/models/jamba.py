@@ -18,7 +18,8 @@ from torch import nn
 from hybridkv.core.spec import ModelSpec
 from hybridkv.layers.attention import AttentionConfig, PagedAttention
 from hybridkv.layers.mamba1 import Mamba1Config, Mamba1Mixer
-from hybridkv.layers.mlp import GatedMLP, SparseMoE
+from hybridkv.layers.mlp import GatedMLP
+from hybridkv.layers.moe import SparseMoE
 from hybridkv.layers.norm import RMSNorm
 from hybridkv.models.base import CausalLM
 from hybridkv.models.common import PreNormDecoderLayer, attention_config_from, hybrid_layers

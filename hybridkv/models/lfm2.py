@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from hybridkv.core.spec import ModelSpec
 from hybridkv.layers.attention import AttentionConfig, PagedAttention
-from hybridkv.layers.mlp import SparseMoE
+from hybridkv.layers.moe import SparseMoE
 from hybridkv.layers.norm import RMSNorm
 from hybridkv.layers.short_conv import ShortConv
 from hybridkv.models.base import CausalLM

@@ -24,6 +24,7 @@ from hybridkv.core.spec import ModelSpec
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.layers.attention import PagedAttention
+from hybridkv.layers.moe import GroupedExperts, moe_forward
 from hybridkv.models.base import CausalLM
 from hybridkv.models.common import attention_config_from, mamba2_mixer, state_specs
 
@@ -60,6 +61,10 @@ class Fp32RMSNorm(nn.Module):
         return (self.weight.float() * h).to(x.dtype)
 
 
+def relu_squared(x: Tensor) -> Tensor:
+    return torch.square(F.relu(x))
+
+
 class ReluSquaredMLP(nn.Module):
     """``down(relu(up(x))^2)``: NemotronH's dense MLP, experts and shared expert."""
 
@@ -69,7 +74,7 @@ class ReluSquaredMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+        return self.down_proj(relu_squared(self.up_proj(x)))
 
 
 class GroupLimitedRouter(nn.Module):
@@ -115,9 +120,13 @@ class NemotronHMoE(nn.Module):
         latent = cfg.get("moe_latent_size")
         width = int(latent) if latent else hidden
         self.gate = GroupLimitedRouter(cfg, hidden)
-        self.experts = nn.ModuleList(
-            ReluSquaredMLP(width, int(cfg["moe_intermediate_size"]), bias)
-            for _ in range(self.gate.num_experts)
+        self.experts = GroupedExperts(
+            self.gate.num_experts,
+            width,
+            int(cfg["moe_intermediate_size"]),
+            relu_squared,
+            gated=False,
+            bias=bias,
         )
         self.shared_experts = ReluSquaredMLP(
             hidden, int(cfg["moe_shared_expert_intermediate_size"]), bias
@@ -131,11 +140,7 @@ class NemotronHMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         weights, experts = self.gate(x)  # [T, k]
         h = self.fc1_latent_proj(x)  # [T, width]
-        routed = torch.zeros_like(h, dtype=torch.float32)
-        for expert_id in torch.unique(experts).tolist():
-            token, slot = torch.where(experts == expert_id)
-            y = self.experts[expert_id](h[token]) * weights[token, slot, None]
-            routed.index_add_(0, token, y.float())
+        routed = moe_forward(h, weights, experts, self.experts, sum_dtype=torch.float32)
         return self.fc2_latent_proj(routed.to(x.dtype)) + self.shared_experts(x)
 
 

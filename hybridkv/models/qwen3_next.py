@@ -8,15 +8,16 @@ one reader of ``layer_types`` / ``full_attention_interval``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 
 from hybridkv.core.spec import ModelSpec
 from hybridkv.layers.attention import AttentionConfig, PagedAttention
 from hybridkv.layers.gated_deltanet import GatedDeltaNet, GDNConfig, Qwen3NextGatedDeltaNet
-from hybridkv.layers.mlp import GatedMLP, SparseMoE
+from hybridkv.layers.mlp import GatedMLP
+from hybridkv.layers.moe import SparseMoE
 from hybridkv.layers.norm import ZeroCenteredRMSNorm
 from hybridkv.models.base import CausalLM
 from hybridkv.models.common import PreNormDecoderLayer, attention_config_from, hybrid_layers
@@ -115,21 +116,6 @@ class QwenHybridForCausalLM(CausalLM):
         if name.startswith("model.language_model."):
             return "model." + name.removeprefix("model.language_model.")
         return name
-
-    def split_weight(self, name: str, tensor: Tensor) -> Iterable[tuple[str, Tensor]]:
-        """Fused experts ([E, 2I, H] gate_up, [E, H, I] down) -> per-expert weights."""
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix = name.removesuffix("gate_up_proj")
-            for e, fused in enumerate(tensor):
-                gate, up = fused.chunk(2, dim=0)
-                yield f"{prefix}{e}.gate_proj.weight", gate
-                yield f"{prefix}{e}.up_proj.weight", up
-        elif name.endswith("mlp.experts.down_proj"):
-            prefix = name.removesuffix("down_proj")
-            for e, down in enumerate(tensor):
-                yield f"{prefix}{e}.down_proj.weight", down
-        else:
-            yield name, tensor
 
 
 class Qwen3NextForCausalLM(QwenHybridForCausalLM):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.layers.mlp import SparseMoE
+from hybridkv.layers.moe import SparseMoE
 from hybridkv.layers.norm import GatedRMSNorm, ZeroCenteredRMSNorm
 from hybridkv.layers.rope import RotaryEmbedding, apply_rope, rope_settings
 
@@ -66,11 +66,8 @@ def test_moe_matches_transformers_block() -> None:
     ours = SparseMoE(16, 8, 5, 2, norm_topk_prob=False, shared_intermediate=12)
     with torch.no_grad():
         ours.gate.weight.copy_(ref.gate.weight)
-        for e, expert in enumerate(ours.experts):
-            gate, up = ref.experts.gate_up_proj[e].chunk(2, dim=0)
-            expert.gate_proj.weight.copy_(gate)
-            expert.up_proj.weight.copy_(up)
-            expert.down_proj.weight.copy_(ref.experts.down_proj[e])
+        ours.experts.gate_up_proj.copy_(ref.experts.gate_up_proj)
+        ours.experts.down_proj.copy_(ref.experts.down_proj)
         ours.shared_expert.load_state_dict(ref.shared_expert.state_dict())
         ours.shared_expert_gate.load_state_dict(ref.shared_expert_gate.state_dict())
         x = torch.randn(7, 16)

@@ -1,0 +1,229 @@
+"""Mixture of experts as grouped matmuls over the tokens sorted by expert.
+
+Every MoE family here (Qwen3-Next / Qwen3.5-MoE, Jamba, LFM2-MoE, GraniteMoeHybrid, NemotronH)
+routes each token to k experts by its own rule, then computes the same sum::
+
+    out[t] = sum_j  w[t, j] * expert_{e[t, j]}(x[t])          j = 0 .. k-1
+
+The T*k (token, expert) pairs are sorted by expert once per layer (:class:`ExpertRouting`),
+so each expert's rows are one contiguous slice and every weight of all experts is one
+grouped matmul (:class:`GroupedExperts`, ``F.grouped_mm`` over weights stacked [E, out, in])
+instead of a Python loop with a mask per expert. The sum over j adds each token's terms in
+ascending expert order, starting from the first, which is the order the former loop over
+experts accumulated them in, so the result is bit-identical to it (tests/layers/test_moe.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridkv.layers.mlp import GatedMLP, activation
+
+_GROUPED_MM_ALIGN_BYTES = 16  # F.grouped_mm needs 16-byte row strides on CPU
+
+
+class ExpertRouting:
+    """One layer's routing laid out for grouped matmuls.
+
+    Row ``i`` of the sorted layout is the flat pair ``order[i] = t * k + j`` (token ``t``,
+    its ``j``-th expert); rows are grouped by expert, ascending, and by token inside one.
+
+    Args:
+        experts: [T, k] int64 expert ids, distinct within a row.
+        num_experts: E.
+    """
+
+    def __init__(self, experts: Tensor, num_experts: int) -> None:
+        num_tokens, top_k = experts.shape
+        flat = experts.reshape(-1)  # [T*k]
+        self.order = torch.argsort(flat, stable=True)  # [N] sorted row -> flat pair
+        self.token = self.order.div(top_k, rounding_mode="floor")  # [N] token of each row
+        counts = torch.bincount(flat, minlength=num_experts)  # [E]
+        self.offsets = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert
+        rank = torch.empty_like(self.order)
+        rank[self.order] = torch.arange(self.order.numel(), device=flat.device)
+        by_expert = experts.argsort(dim=1)  # [T, k] each token's slots, ascending expert
+        self.combine_rows = rank.view(num_tokens, top_k).gather(1, by_expert)  # [T, k]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.order.numel())
+
+    def sort(self, x: Tensor) -> Tensor:
+        """[T, H] -> [N, H]: each row's token input, in expert order."""
+        return x.index_select(0, self.token)
+
+    def sort_weights(self, weights: Tensor) -> Tensor:
+        """[T, k] -> [N, 1] routing weight of each sorted row."""
+        return weights.reshape(-1).index_select(0, self.order)[:, None]
+
+    def combine(self, rows: Tensor) -> Tensor:
+        """[N, H] weighted expert outputs -> [T, H], each token's k terms summed in
+        ascending expert order (the former loop's ``index_add_`` order)."""
+        terms = rows[self.combine_rows]  # [T, k, H]
+        out = terms[:, 0]
+        for j in range(1, terms.shape[1]):
+            out = out + terms[:, j]
+        return out
+
+
+def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor, bias: Tensor | None) -> Tensor:
+    """``x[rows of e] @ weight[e].T (+ bias[e])`` for every expert e: [N, in] -> [N, out].
+
+    One ``F.grouped_mm`` when it can run (no bias, no autograd, 16-byte row strides);
+    otherwise one ``F.linear`` per expert slice, the same products.
+    """
+    elem = x.element_size()
+    aligned = all(n * elem % _GROUPED_MM_ALIGN_BYTES == 0 for n in weight.shape[1:])
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if bias is None and aligned and not grad and x.dtype == weight.dtype:
+        return F.grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets)
+    ends = offsets.tolist()
+    parts = []
+    for e, (lo, hi) in enumerate(zip([0, *ends[:-1]], ends, strict=True)):
+        if hi > lo:
+            parts.append(F.linear(x[lo:hi], weight[e], None if bias is None else bias[e]))
+    if not parts:
+        return x.new_empty(0, weight.shape[1])
+    return torch.cat(parts)
+
+
+class GroupedExperts(nn.Module):
+    """E feed-forward experts with stacked weights, run over rows sorted by expert.
+
+    ``gate_up_proj`` [E, 2I, H] holds ``[gate | up]`` per expert (transformers 5 keeps its
+    experts this way in memory), or [E, I, H] ``up`` alone when ``gated`` is False
+    (NemotronH's ``down(relu(up(x))^2)``); ``down_proj`` [E, H, I]. Checkpoints that store
+    one module per expert load through :meth:`checkpoint_views`.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden: int,
+        intermediate: int,
+        act: Callable[[Tensor], Tensor],
+        *,
+        gated: bool = True,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.gated = gated
+        self.intermediate = intermediate
+        self.act = act
+        width = (2 if gated else 1) * intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up_bias: nn.Parameter | None = None
+        self.down_bias: nn.Parameter | None = None
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.zeros(num_experts, width))
+            self.down_bias = nn.Parameter(torch.zeros(num_experts, hidden))
+        for p in self.parameters():
+            nn.init.normal_(p, std=0.02)
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.gate_up_proj.shape[0])
+
+    def forward(self, x: Tensor, routing: ExpertRouting) -> Tensor:
+        """x [N, H] rows in expert order -> [N, H]."""
+        h = grouped_linear(x, self.gate_up_proj, routing.offsets, self.gate_up_bias)
+        if self.gated:
+            gate, up = h.split(self.intermediate, dim=-1)
+            h = self.act(gate) * up  # [N, I]
+        else:
+            h = self.act(h)
+        return grouped_linear(h, self.down_proj, routing.offsets, self.down_bias)
+
+    def checkpoint_views(self) -> dict[str, tuple[str, tuple[int | slice, ...]]]:
+        """Per-expert checkpoint names -> (the stacked parameter holding it, its index there).
+
+        ``{e}.gate_proj.*`` and ``{e}.up_proj.*`` (or ``{e}.up_proj.*`` alone when not
+        gated) are rows of ``gate_up_proj`` / ``gate_up_bias``; ``{e}.down_proj.*`` is
+        ``down_proj[e]`` / ``down_bias[e]``. Loading a checkpoint copies into those parts.
+        """
+        inter = self.intermediate
+        inputs = {"gate_proj": slice(0, inter), "up_proj": slice(inter, 2 * inter)}
+        if not self.gated:
+            inputs = {"up_proj": slice(0, inter)}
+        views: dict[str, tuple[str, tuple[int | slice, ...]]] = {}
+        for e in range(self.num_experts):
+            for name, rows in inputs.items():
+                views[f"{e}.{name}.weight"] = ("gate_up_proj", (e, rows))
+                if self.gate_up_bias is not None:
+                    views[f"{e}.{name}.bias"] = ("gate_up_bias", (e, rows))
+            views[f"{e}.down_proj.weight"] = ("down_proj", (e,))
+            if self.down_bias is not None:
+                views[f"{e}.down_proj.bias"] = ("down_bias", (e,))
+        return views
+
+
+def moe_forward(
+    x: Tensor,
+    weights: Tensor,
+    experts: Tensor,
+    grouped: GroupedExperts,
+    sum_dtype: torch.dtype | None = None,
+) -> Tensor:
+    """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``: [T, H] in ``sum_dtype``.
+
+    Args:
+        x: [T, H] expert input.
+        weights: [T, k] routing weights; the products take their dtype promotion.
+        experts: [T, k] expert ids.
+        sum_dtype: dtype of the weighted terms and their sum (default x's; NemotronH fp32).
+    """
+    routing = ExpertRouting(experts, grouped.num_experts)
+    rows = grouped(routing.sort(x), routing) * routing.sort_weights(weights)  # [N, H]
+    return routing.combine(rows.to(sum_dtype or x.dtype))
+
+
+class SparseMoE(nn.Module):
+    """Softmax top-k router over experts, plus an optional sigmoid-gated shared expert.
+
+    Qwen3-Next / Qwen3.5-MoE: ``out = sum_k p_k expert_k(x) + sigmoid(g(x)) * shared(x)``,
+    the top-k probabilities renormalised when ``norm_topk_prob``.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        moe_intermediate: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool = True,
+        shared_intermediate: int = 0,
+        act: str = "silu",
+    ) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = GroupedExperts(num_experts, hidden, moe_intermediate, activation(act))
+        self.shared_expert: GatedMLP | None = None
+        self.shared_expert_gate: nn.Linear | None = None
+        if shared_intermediate > 0:
+            self.shared_expert = GatedMLP(hidden, shared_intermediate, act)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """x [T, H] -> (weights [T, k] in x's dtype, expert ids [T, k])."""
+        logits = self.gate(x)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        top_p, top_i = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        return top_p.to(logits.dtype), top_i
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights, experts = self.route(x)  # [T, k]
+        out = moe_forward(x, weights, experts, self.experts)
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
