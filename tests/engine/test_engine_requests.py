@@ -127,3 +127,23 @@ def test_validate_request_is_public_and_checks_without_queueing(llm: LLM) -> Non
     with pytest.raises(ValueError, match="max_model_len"):
         engine.validate_request({"prompt_token_ids": [1] * engine.max_model_len}, params)
     assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("arch", [ARCH, "bamba"])
+def test_mamba_ssm_cache_dtype_reaches_the_state_pages(checkpoints: Any, arch: str) -> None:
+    """vLLM's ``mamba_ssm_cache_dtype``: the SSM state pages take it, the rest keep the model
+    dtype, and greedy generation runs over the mixed pages (a poisoned arena)."""
+    from hybridkv.engine import EngineConfig
+
+    _, path = checkpoints(arch)
+    llm = LLM(
+        model=str(path), **{**OPTIONS, "dtype": "float32", "mamba_ssm_cache_dtype": "bfloat16"}
+    )
+    state = {
+        t.name: t.dtype for c in llm.engine.spec.layers for t in getattr(c.spec, "tensors", ())
+    }
+    assert state["ssm"] == "bfloat16" and state["conv"] == "float32"
+    [out] = llm.generate(ids(7), SamplingParams(max_tokens=8, temperature=0.0))
+    assert len(out.outputs[0].token_ids) == 8
+    with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
+        EngineConfig(model=str(path), mamba_ssm_cache_dtype="fp8")

@@ -91,6 +91,27 @@ def test_bfloat16_load_matches_transformers_in_bfloat16(tmp_path: Path, get_tiny
     assert float(diff.max()) < 0.15 and float(diff.mean()) < 0.02
 
 
+def test_ssm_dtype_option_sets_only_the_ssm_state(tmp_path: Path, get_tiny) -> None:
+    """``mamba_ssm_cache_dtype`` "float32" under a bf16 model: SSM state fp32, the rest bf16,
+    and the forward runs on the mixed pages as close to bf16 transformers as all-bf16 does."""
+    hf, _ = get_tiny("qwen3_next")
+    lm = load_model(save_checkpoint(hf, tmp_path), "bfloat16", ssm_dtype="float32")
+    state = {t.name: t.dtype for c in lm.spec.layers for t in getattr(c.spec, "tensors", ())}
+    assert state == {"conv": "bfloat16", "ssm": "float32"}
+    assert lm.spec.dtype == "bfloat16"
+    ref = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), IDS).float()
+    diff = (run(lm) - ref).abs()
+    assert float(diff.max()) < 0.15 and float(diff.mean()) < 0.02
+
+
+def test_ssm_dtype_option_bfloat16_under_an_fp32_model(get_tiny, tmp_path: Path) -> None:
+    hf, _ = get_tiny("qwen3_next")
+    lm = load_model(save_checkpoint(hf, tmp_path), "float32", ssm_dtype="bfloat16")
+    state = {t.name: t.dtype for c in lm.spec.layers for t in getattr(c.spec, "tensors", ())}
+    assert state == {"conv": "float32", "ssm": "bfloat16"}
+    assert float((run(lm) - hf_logits(hf, IDS)).abs().max()) < 0.1
+
+
 def test_unknown_model_type_is_rejected(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     with pytest.raises(ValueError):
