@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
 
@@ -33,6 +35,18 @@ def add_bench_parser(commands: Any) -> None:
     p.add_argument("--num-requests", type=int, default=32, help="requests in all (default 32)")
     p.add_argument("--no-warm-up", action="store_true", help="time the first step too")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="run under torch.profiler and print where the steps' CPU time goes, by module "
+        "and engine stage and by op",
+    )
+    p.add_argument(
+        "--profile-rows", type=int, default=15, help="rows of each profile table (default 15)"
+    )
+    p.add_argument(
+        "--profile-trace", metavar="FILE", help="with --profile: also write a Chrome trace"
+    )
     p.set_defaults(run=run_bench)
 
 
@@ -52,7 +66,10 @@ def run_bench(args: argparse.Namespace) -> int:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+    with (
+        Progress(*columns, console=Console(stderr=True), transient=True) as progress,
+        _maybe_profiled(engine, args) as profiles,
+    ):
         task = progress.add_task(f"bench {args.workload}", total=len(requests))
         try:
             result = run_workload(engine, requests, on_finish=lambda _: progress.advance(task))
@@ -68,7 +85,28 @@ def run_bench(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
     else:
         print_result(args.workload, engine.config.model, result)
+    if profiles:
+        from hybridkv.bench.profile import format_profile
+
+        print(
+            format_profile(profiles[0], args.profile_rows),
+            file=sys.stderr if args.json else sys.stdout,
+        )
     return 0
+
+
+@contextmanager
+def _maybe_profiled(engine: Any, args: argparse.Namespace) -> Iterator[list[Any]]:
+    """The profiled block of ``--profile`` (torch.profiler loads only then)."""
+    if args.profile_trace and not args.profile:
+        raise ValueError("--profile-trace needs --profile")
+    if not args.profile:
+        yield []
+        return
+    from hybridkv.bench.profile import profiled
+
+    with profiled(engine, args.profile_trace) as profiles:
+        yield profiles
 
 
 def print_result(workload: str, model: str, r: BenchResult) -> None:

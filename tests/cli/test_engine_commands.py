@@ -193,3 +193,26 @@ def test_no_model_uses_the_shipped_demo_model(capsys: pytest.CaptureFixture[str]
     assert code == 0, err
     assert out.strip()
     assert f"using the demo model shipped in {SHIPPED_DIR}" in err
+
+
+def test_bench_profile_prints_modules_stages_and_ops(
+    model_dir: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.json"
+    code, out, err = run(
+        capsys,
+        *("bench", "--model", model_dir, *SMALL_CACHE, "--workload", "repeat"),
+        *("--num-requests", "3", "--profile", "--profile-rows", "40"),
+        *("--profile-trace", str(trace)),
+    )
+    assert code == 0, err
+    profile = out[out.index("profile: ") :]
+    steps = int(profile.split()[1])
+    assert steps > 0
+    assert "by module and engine stage" in profile and "by op (self CPU)" in profile
+    for name in ("stage: engine.step", "stage: runner.build_batch", "module: PagedAttention"):
+        assert name in profile, name
+    assert "aten::" in profile
+    assert json.loads(trace.read_text())["traceEvents"]
+    code, _, err = run(capsys, "bench", "--model", model_dir, "--profile-trace", str(trace))
+    assert_one_line_error(code, err, "--profile-trace needs --profile")
