@@ -53,6 +53,8 @@ def add_bench_parser(commands: Any) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     if args.num_requests < 1:
         raise ValueError(f"--num-requests must be at least 1, got {args.num_requests}")
+    if args.profile_trace and not args.profile:
+        raise ValueError("--profile-trace needs --profile")
     engine = build_engine(args)
     requests = build_workload(args.workload, args.num_requests, engine.vocab_size, args.seed)
     if not args.no_warm_up:
@@ -98,8 +100,6 @@ def run_bench(args: argparse.Namespace) -> int:
 @contextmanager
 def _maybe_profiled(engine: Any, args: argparse.Namespace) -> Iterator[list[Any]]:
     """The profiled block of ``--profile`` (torch.profiler loads only then)."""
-    if args.profile_trace and not args.profile:
-        raise ValueError("--profile-trace needs --profile")
     if not args.profile:
         yield []
         return
