@@ -45,6 +45,10 @@ class Sequence:
     prompt_context_text: str | None = None  # the prompt's tail as text, see stopping.py
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, object]] = field(default_factory=list)
+    # Speculative decoding: drafts the engine wants verified in the next step (0: a plain
+    # decode), and the draft tokens themselves, filled in once the step is scheduled.
+    num_draft_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

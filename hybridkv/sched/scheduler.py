@@ -13,6 +13,11 @@ One step (the shape of vLLM v1 and nano-vllm)::
                                     the budget allows; stops at the first one that does not
                                     fit (FCFS), so a long prompt is never starved
 
+Speculative decoding: a decoding sequence the engine gave ``num_draft_tokens`` runs its last
+token and that many drafts as one chunk (they count against the token budget), with a
+scratch state per draft (``allocate(num_speculative_tokens=)``); if that does not fit it
+runs a plain decode instead: speculation never preempts anyone.
+
 Admission allocates the sequence's live state page up front, so a sequence is only ever
 admitted when its state fits, and running sequences make progress or are preempted: the
 loop cannot deadlock. A sequence that does not fit even with nothing else running is
@@ -35,21 +40,31 @@ from hybridkv.sched.request import Sequence, SequenceStatus
 
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
-    """``num_tokens`` tokens of ``seq`` starting at ``start`` run in this step."""
+    """``num_tokens`` tokens of ``seq`` starting at ``start`` run in this step; the last
+    ``num_draft_tokens`` of them are drafts (``seq.draft_token_ids``) to verify."""
 
     seq: Sequence
     start: int
     num_tokens: int
     allocation: Allocation
     samples: bool  # the chunk reaches the end of the known tokens: sample the next one
+    num_draft_tokens: int = 0
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
 
     @property
+    def known_end(self) -> int:
+        """End of the sequence's own tokens in the chunk (the drafts follow)."""
+        return self.end - self.num_draft_tokens
+
+    @property
     def token_ids(self) -> list[int]:
-        return self.seq.all_token_ids[self.start : self.end]
+        seq, known = self.seq, self.known_end
+        drafts = seq.draft_token_ids[: self.num_draft_tokens]
+        assert len(drafts) == self.num_draft_tokens, "drafts are filled in before the run"
+        return seq.all_token_ids[self.start : known] + drafts
 
 
 @dataclass(slots=True)
@@ -142,6 +157,12 @@ class Scheduler:
         self, seq: Sequence, budget: int, out: SchedulerOutput
     ) -> ScheduledChunk | None:
         start = seq.num_computed
+        drafts = min(seq.num_draft_tokens, budget - 1)
+        if drafts > 0 and start == seq.num_tokens - 1:
+            n = 1 + drafts
+            alloc = self.manager.allocate(seq.seq_id, n, num_speculative_tokens=drafts)
+            if alloc is not None:
+                return ScheduledChunk(seq, start, n, alloc, True, drafts)
         end = self._chunk_end(seq, start, budget)
         while True:
             alloc = self.manager.allocate(seq.seq_id, end - start)
@@ -157,6 +178,7 @@ class Scheduler:
         self.manager.free(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed = 0
+        seq.num_draft_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -191,10 +213,17 @@ class Scheduler:
 
     # ------------------------------------------------------------------ after the step
 
-    def advance(self, chunk: ScheduledChunk, new_token: int | None) -> None:
-        """Record that ``chunk`` ran; ``new_token`` was sampled after it (if it samples)."""
+    def advance(self, chunk: ScheduledChunk) -> None:
+        """Record that ``chunk`` ran, and the tokens the caller appended to the sequence's
+        output after it (none after a prefill chunk).
+
+        After a speculative chunk those are the drafts it kept, then the token that
+        followed them; the cache keeps the tokens up to the last of them, and the state
+        after exactly that many (the manager rolls the rest back).
+        """
         seq = chunk.seq
-        seq.num_computed = chunk.end
-        new = [new_token] if new_token is not None else []
-        seq.output_token_ids.extend(new)
-        self.manager.commit(seq.seq_id, chunk.end, new)
+        new = seq.all_token_ids[chunk.known_end :] if chunk.samples else []
+        seq.num_computed = chunk.known_end - 1 + len(new) if new else chunk.known_end
+        seq.num_draft_tokens = 0
+        seq.draft_token_ids = []
+        self.manager.commit(seq.seq_id, seq.num_computed, new)

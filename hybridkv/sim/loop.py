@@ -224,11 +224,12 @@ class Simulator:
         for chunk in chunks:
             seq = chunk.seq
             if not chunk.samples:  # a prefill chunk, more to come
-                self.scheduler.advance(chunk, None)
+                self.scheduler.advance(chunk)
                 continue
             req = self._reqs[seq.seq_id]
             outputs = req.trace.output_token_ids
-            self.scheduler.advance(chunk, outputs[seq.num_outputs])
+            seq.output_token_ids.append(outputs[seq.num_outputs])
+            self.scheduler.advance(chunk)
             self.result.output_tokens += 1
             if seq.num_outputs == 1:
                 self.result.ttfts_s.append(self.now - req.eligible_s)

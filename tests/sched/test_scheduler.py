@@ -37,7 +37,9 @@ def run_step(sched: Scheduler) -> SchedulerOutput:
     """Schedule one step and record it as the engine does (every sampling chunk samples)."""
     out = sched.schedule()
     for chunk in out.chunks:
-        sched.advance(chunk, SAMPLED if chunk.samples else None)
+        if chunk.samples:
+            chunk.seq.output_token_ids.append(SAMPLED)
+        sched.advance(chunk)
     return out
 
 
@@ -205,4 +207,58 @@ def test_finish_frees_the_pages_of_running_and_forgets_waiting_sequences() -> No
     assert sched.num_unfinished == 0
     assert mgr.num_requests == 0
     assert (a.finish_reason, b.finish_reason) == ("stop", "abort")
+    mgr.check_integrity()
+
+
+def speculate(s: Sequence, drafts: list[int]) -> None:
+    """What the engine does before scheduling: ask for drafts (filled after scheduling)."""
+    s.num_draft_tokens = len(drafts)
+    s.draft_token_ids = list(drafts)
+
+
+def test_a_decoding_sequence_verifies_its_drafts_in_one_chunk() -> None:
+    mgr = make_manager(num_chunks=8, caching=False)
+    sched = scheduler(mgr)
+    a = seq("a", 5)
+    sched.add(a)
+    run_step(sched)  # prefill, one token sampled: 6 tokens, 5 computed
+    speculate(a, [1, 2, 3])
+    out = sched.schedule()
+    [chunk] = out.chunks
+    assert (chunk.start, chunk.num_tokens, chunk.num_draft_tokens) == (5, 4, 3)
+    assert chunk.token_ids == [SAMPLED, 1, 2, 3]
+    assert [s.position for s in chunk.allocation.scratch] == [6, 7, 8]
+    a.output_token_ids += [1, 7]  # the first draft kept, then a correction
+    sched.advance(chunk)
+    assert (a.num_computed, a.num_tokens, a.num_draft_tokens, a.draft_token_ids) == (7, 8, 0, [])
+    assert mgr.num_computed_tokens(a.seq_id) == 7
+    assert mgr._reqs[a.seq_id].tokens == a.all_token_ids
+    mgr.check_integrity()
+
+
+def test_drafts_count_against_the_budget_and_never_go_to_a_prefill() -> None:
+    mgr = make_manager(num_chunks=8, caching=False)
+    sched = scheduler(mgr, max_num_batched_tokens=3)
+    a, b = seq("a", 2), seq("b", 6)
+    sched.add(a)
+    run_step(sched)
+    sched.add(b)
+    speculate(a, [1, 2, 3, 4])
+    speculate(b, [1, 2])  # b is not decoding yet: its drafts are ignored
+    out = sched.schedule()
+    assert [(c.seq.seq_id, c.num_tokens, c.num_draft_tokens) for c in out.chunks] == [
+        ("a", 3, 2)  # 1 + 2 drafts fill the budget; b waits
+    ]
+
+
+def test_speculation_that_does_not_fit_decodes_plainly_and_preempts_nobody() -> None:
+    mgr = make_manager(num_chunks=2, caching=False)  # 1 state chunk: 2 state pages
+    sched = scheduler(mgr)
+    a = seq("a", 5)
+    sched.add(a)
+    run_step(sched)
+    speculate(a, [1, 2])  # two scratch states: only one page is left
+    out = sched.schedule()
+    assert [(c.num_tokens, c.num_draft_tokens) for c in out.chunks] == [(1, 0)]
+    assert out.preempted == []
     mgr.check_integrity()
