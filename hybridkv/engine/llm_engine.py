@@ -35,6 +35,9 @@ from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, R
 from hybridkv.engine.prompt_logprobs import chunk_prompt_logprobs
 from hybridkv.engine.runner import ModelRunner, StepLogits
 from hybridkv.engine.sampler import SampledToken, SamplingFailure, sample
+from hybridkv.engine.spec_decode.rejection import verify
+from hybridkv.engine.spec_decode.setup import SpeculativeSetup
+from hybridkv.engine.spec_decode.speculator import SpecDecodeStats
 from hybridkv.engine.startup import (
     cache_budget,
     capacity_plan,
@@ -113,6 +116,8 @@ class LLMEngine:
             self._set_chat_template(config.chat_template)
         self.dtype = loaded.dtype
         self.vocab_size = int(loaded.config.get("vocab_size") or 0)
+        # speculative decoding: a draft model's layers get pages in the same cache
+        self.speculative = SpeculativeSetup.load(config, loaded)
         self.generation_defaults = default_sampling(
             config.generation_config, Path(config.model), config.override_generation_config
         )
@@ -120,7 +125,7 @@ class LLMEngine:
         model = loaded.model.to(self.device)
         budget = cache_budget(config, self.device)
         self.manager = CacheManager(
-            loaded.spec,
+            self.speculative.cache_spec,
             CacheConfig(
                 memory_bytes=budget.bytes,
                 block_tokens=config.block_size,
@@ -131,11 +136,12 @@ class LLMEngine:
             ),
         )
         native = self.spec.max_model_len or self.model_config.get("max_position_embeddings")
+        cache_spec = self.speculative.cache_spec  # with a draft model's layers, if any
         length = choose_max_model_len(
-            config, self.manager.layout, self.spec, int(native) if native else None, budget
+            config, self.manager.layout, cache_spec, int(native) if native else None, budget
         )
         self.max_model_len = length.tokens
-        self.capacity = capacity_plan(config, self.spec, budget, length.tokens)
+        self.capacity = capacity_plan(config, cache_spec, budget, length.tokens)
         self.capacity_report = log_capacity(
             self.capacity, plan_command(config, self.spec, budget, length.tokens), length, budget
         )
@@ -152,8 +158,13 @@ class LLMEngine:
             self.tokenizer, self.vocab_size, self.max_model_len, self.structured
         )
         self.runner = ModelRunner(
-            model, loaded.spec, self.manager.layout, self.device, poison_arena=config.poison_cache
+            model,
+            self.speculative.cache_spec,
+            self.manager.layout,
+            self.device,
+            poison_arena=config.poison_cache,
         )
+        self.speculator = self.speculative.speculator(self.manager, self.runner)
         budget_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.scheduler = Scheduler(
             self.manager, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget_tokens
@@ -300,7 +311,12 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; the outputs of every request that moved."""
         outputs = self._drain_inbox()
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running, self._draft_limit)
         sched = self.scheduler.schedule()
+        if self.speculator is not None:
+            for seq in sched.preempted:
+                self.speculator.restart(seq.seq_id)
         touched: dict[str, _Request] = {}
         for seq in sched.rejected:
             req = self._requests[seq.request_id]
@@ -312,6 +328,8 @@ class LLMEngine:
         if sched.chunks:
             self.num_steps += 1
             try:
+                if self.speculator is not None:
+                    self.speculator.fill(sched.chunks)
                 logits = self.runner.execute(
                     sched.chunks, self.manager, self._prompt_logit_chunks(sched.chunks)
                 )
@@ -363,13 +381,44 @@ class LLMEngine:
 
     def _sample(
         self, chunks: list[ScheduledChunk], logits: torch.Tensor
-    ) -> dict[int, SampledToken | SamplingFailure]:
-        """The next token of every chunk that reached the end of its known tokens."""
-        rows = [i for i, c in enumerate(chunks) if c.samples]
-        if not rows:
-            return {}
-        contexts = [self._row_context(chunks[i].seq) for i in rows]
-        return dict(zip(rows, sample(logits[rows], contexts), strict=True))
+    ) -> dict[int, list[SampledToken] | SamplingFailure]:
+        """The tokens of every chunk that reached the end of its known tokens: one, or
+        after a speculative chunk the drafts it keeps and the token that follows them."""
+        if not any(c.num_draft_tokens for c in chunks):  # one row each: sample as a batch
+            rows = [i for i, c in enumerate(chunks) if c.samples]
+            if not rows:
+                return {}
+            contexts = [self._row_context(chunks[i].seq) for i in rows]
+            return {
+                i: t if isinstance(t, SamplingFailure) else [t]
+                for i, t in zip(rows, sample(logits[rows], contexts), strict=True)
+            }
+        values = logits.float().cpu()
+        results: dict[int, list[SampledToken] | SamplingFailure] = {}
+        row = 0
+        for i, chunk in enumerate(chunks):
+            rows = values[row : row + 1 + chunk.num_draft_tokens]
+            row += 1 + chunk.num_draft_tokens
+            if not chunk.samples:
+                continue
+            drafts = chunk.seq.draft_token_ids[: chunk.num_draft_tokens]
+            try:
+                results[i] = verify(rows, drafts, self._row_context(chunk.seq))
+            except (ValueError, RuntimeError) as exc:  # this sequence only
+                results[i] = SamplingFailure(str(exc))
+        return results
+
+    def _draft_limit(self, seq: Sequence) -> int:
+        """Drafts a sequence may verify in one step: none under a grammar (its mask after
+        a draft would need the matcher advanced through it); never past max_model_len
+        (the drafts' KV must fit) nor past max_tokens (they could never be kept)."""
+        req = self._requests[seq.request_id]
+        if req.matchers and req.matchers[seq.index] is not None:
+            return 0
+        room = self.max_model_len - seq.num_tokens
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_outputs - 1)
+        return room
 
     def _row_context(self, seq: Sequence) -> RowContext:
         req = self._requests[seq.request_id]
@@ -390,7 +439,7 @@ class LLMEngine:
     def _postprocess(
         self,
         chunks: list[ScheduledChunk],
-        sampled: dict[int, SampledToken | SamplingFailure],
+        sampled: dict[int, list[SampledToken] | SamplingFailure],
         touched: dict[str, _Request],
     ) -> None:
         now = time.monotonic()
@@ -399,39 +448,53 @@ class LLMEngine:
             req = self._requests[seq.request_id]
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = now
-            token = sampled.get(i)
-            if isinstance(token, SamplingFailure):  # this sequence alone fails
-                req.error = f"sampling failed for this request: {token.message}"
+            tokens = sampled.get(i)
+            if isinstance(tokens, SamplingFailure):  # this sequence alone fails
+                req.error = f"sampling failed for this request: {tokens.message}"
                 self.scheduler.finish(seq, "abort")
                 touched[req.request_id] = req
                 continue
-            self.scheduler.advance(chunk, token.token_id if token else None)
-            if token is None:
+            if tokens is None:
+                self.scheduler.advance(chunk)
                 continue
-            self.num_generated_tokens += 1
+            if chunk.num_draft_tokens and self.speculator is not None:
+                self.speculator.record(chunk, len(tokens) - 1)
             req.metrics.record_token(now)
-            self._record_logprobs(seq, token)
-            stop = update_and_check(
-                seq,
-                token.token_id,
-                tokenizer=self.tokenizer,
-                eos_token_ids=self.eos_token_ids,
-                max_model_len=self.max_model_len,
-            )
-            matcher = req.matchers[seq.index] if req.matchers else None
-            if stop is None and matcher is not None:
-                try:
-                    matcher.accept(token.token_id)
-                except ValueError as exc:
-                    req.error = f"sampling failed for this request: {exc}"
-                    stop = ("abort", None)
-                else:
-                    if matcher.is_finished:  # the grammar is complete: nothing may follow
-                        seq.text = decode_output(seq, self.tokenizer)
-                        stop = ("stop", None)
+            stop = None
+            for token in tokens:  # kept drafts, then the next token; a stop ends them
+                seq.output_token_ids.append(token.token_id)
+                self.num_generated_tokens += 1
+                self._record_logprobs(seq, token)
+                stop = self._check_stop(seq, req, token.token_id)
+                if stop is not None:
+                    break
+            self.scheduler.advance(chunk)
             if stop is not None:
                 self.scheduler.finish(seq, *stop)
             touched[req.request_id] = req
+
+    def _check_stop(
+        self, seq: Sequence, req: _Request, token_id: int
+    ) -> tuple[str, int | str | None] | None:
+        """Stop rules after ``token_id`` was appended, then the grammar's accept."""
+        stop = update_and_check(
+            seq,
+            token_id,
+            tokenizer=self.tokenizer,
+            eos_token_ids=self.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        matcher = req.matchers[seq.index] if req.matchers else None
+        if stop is None and matcher is not None:
+            try:
+                matcher.accept(token_id)
+            except ValueError as exc:
+                req.error = f"sampling failed for this request: {exc}"
+                return ("abort", None)
+            if matcher.is_finished:  # the grammar is complete: nothing may follow
+                seq.text = decode_output(seq, self.tokenizer)
+                return ("stop", None)
+        return stop
 
     def _record_logprobs(self, seq: Sequence, token: SampledToken) -> None:
         if token.logprob is None:
@@ -479,6 +542,9 @@ class LLMEngine:
 
     def _finish_request(self, req: _Request) -> RequestOutput:
         req.metrics.finished_time = time.monotonic()
+        if self.speculator is not None:
+            for seq in req.seqs:
+                self.speculator.forget(seq.seq_id)
         self._requests.pop(req.request_id, None)
         with self._lock:
             self._pending_ids.discard(req.request_id)
@@ -488,6 +554,11 @@ class LLMEngine:
         return self._output(req)
 
     # ------------------------------------------------------------------ stats
+
+    def _spec_decode_stats(self) -> dict[str, Any]:
+        """vLLM's speculative-decoding counters (zeros without speculation)."""
+        stats = self.speculator.stats if self.speculator else SpecDecodeStats()
+        return {"speculative_config": self.speculative.config_dict, **stats.as_dict()}
 
     def stats(self) -> dict[str, Any]:
         """Counters, cache occupancy and the capacity plan (what /metrics and ``LLM.stats()``
@@ -528,6 +599,7 @@ class LLMEngine:
             "free_chunks": usage.free_chunks,
             "max_model_len": self.max_model_len,
             "block_size": self.config.block_size,
+            **self._spec_decode_stats(),
             "groups": [
                 {
                     "group_id": g.group_id,

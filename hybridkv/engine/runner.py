@@ -19,10 +19,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from hybridkv.core.ids import NULL_PAGE
+from hybridkv.core.ids import NULL_PAGE, ReqId
 from hybridkv.core.layout import ArenaLayout
 from hybridkv.core.manager import CacheManager, StateCopy
-from hybridkv.core.spec import ModelSpec
+from hybridkv.core.spec import GroupSpec, ModelSpec
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.models.base import CausalLM
@@ -33,7 +33,9 @@ from hybridkv.sched.scheduler import ScheduledChunk
 class StepLogits(NamedTuple):
     """A step's logits: each chunk's last row, and every row of the chunks that asked."""
 
-    last: Tensor  # [len(chunks), vocab] fp32: the row after each chunk's last token
+    # [len(chunks) + drafts, vocab] fp32: the row after each chunk's last token (after a
+    # speculative chunk's last token and each of its drafts: 1 + num_draft_tokens rows)
+    last: Tensor
     rows: dict[int, Tensor]  # chunk index -> [chunk tokens, vocab] fp32, one row per token
 
 
@@ -61,6 +63,7 @@ class ModelRunner:
         else:
             arena = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
         self.views = CacheViews(spec, layout, arena)
+        self.groups = [g for g in spec.groups if not g.is_draft]  # the draft runs elsewhere
         self.num_page_copies = 0
 
     @property
@@ -90,26 +93,16 @@ class ModelRunner:
             positions += range(chunk.start, chunk.end)
             starts.append(len(ids))
             computed.append(chunk.start)
-        tables: dict[int, Tensor] = {}
-        states: dict[int, Tensor] = {}
-        captures = self._state_captures(chunks, starts)
-        for group in self.spec.groups:
-            gid = group.group_id
-            if group.is_recurrent:
-                pages = [manager.live_page(c.seq.seq_id, gid) for c in chunks]
-                states[gid] = torch.tensor(pages, dtype=torch.int64, device=self.device)
-                continue
-            rows = [manager.block_table(c.seq.seq_id, gid) for c in chunks]
-            width = max(len(r) for r in rows)
-            padded = [list(r) + [NULL_PAGE] * (width - len(r)) for r in rows]
-            tables[gid] = torch.tensor(padded, dtype=torch.int64, device=self.device)
+        seq_ids = [c.seq.seq_id for c in chunks]
+        tables, states = page_tables(self.groups, seq_ids, manager, self.device)
 
         def tensor(values: list[int]) -> Tensor:
             return torch.tensor(values, dtype=torch.int64, device=self.device)
 
         logits_rows: list[int] = []
-        for i in range(len(chunks)):  # every row of the chunks in all_rows, else the last
-            logits_rows += range(starts[i], starts[i + 1]) if i in all_rows else [starts[i + 1] - 1]
+        for i, chunk in enumerate(chunks):  # every row of the chunks in all_rows, else the
+            width = chunk.num_tokens if i in all_rows else 1 + chunk.num_draft_tokens  # last
+            logits_rows += range(starts[i + 1] - width, starts[i + 1])
         return ForwardBatch(
             input_ids=tensor(ids),
             positions=tensor(positions),
@@ -118,18 +111,23 @@ class ModelRunner:
             block_tables=tables,
             state_pages=states,
             logits_indices=tensor(logits_rows),
-            state_captures=captures,
+            state_captures=self._state_captures(chunks, starts),
         )
 
     def _state_captures(
         self, chunks: list[ScheduledChunk], starts: list[int]
     ) -> dict[int, StateCaptures]:
-        """Each snapshot of the step as a capture of its group: the state after exactly
-        ``position`` tokens is the state after the row of token ``position - 1``. Several
-        per request and step are fine (every checkpoint inside a prefill chunk)."""
+        """Each snapshot of the step, and each scratch state of a speculative chunk, as a
+        capture of its group: the state after exactly ``position`` tokens is the state
+        after the row of token ``position - 1``. Several per request and step are fine
+        (every checkpoint inside a prefill chunk; the state after each draft, of which
+        ``CacheManager.commit`` keeps one, and drops a snapshot past the kept tokens)."""
         wanted: dict[int, tuple[list[int], list[int]]] = {}
+        own = {g.group_id for g in self.groups}  # a draft model's states: its proposer's
         for chunk, first_row in zip(chunks, starts, strict=False):
-            for snap in chunk.allocation.snapshots:
+            for snap in (*chunk.allocation.snapshots, *chunk.allocation.scratch):
+                if snap.group_id not in own:
+                    continue
                 assert chunk.start < snap.position <= chunk.end, (snap, chunk)
                 rows, pages = wanted.setdefault(snap.group_id, ([], []))
                 rows.append(first_row + snap.position - 1 - chunk.start)
@@ -146,8 +144,9 @@ class ModelRunner:
     def execute(
         self, chunks: list[ScheduledChunk], manager: CacheManager, all_rows: Collection[int] = ()
     ) -> StepLogits:
-        """Run the step: logits at each chunk's last token, and at every token of the chunks
-        in ``all_rows`` (prompt log-probabilities need them)."""
+        """Run the step: logits at each chunk's last token (a speculative chunk: its last
+        token and every draft, ``1 + num_draft_tokens`` rows in order), and at every token
+        of the chunks in ``all_rows`` (prompt log-probabilities need them)."""
         self.copy_pages(c for chunk in chunks for c in chunk.allocation.restores)
         batch = self.build_batch(chunks, manager, all_rows)
         # [selected rows, vocab]; the forward also writes the snapshots (state captures)
@@ -158,9 +157,29 @@ class ModelRunner:
         rows: dict[int, Tensor] = {}
         at = 0
         for i, chunk in enumerate(chunks):
-            width = chunk.num_tokens if i in all_rows else 1
+            verified = 1 + chunk.num_draft_tokens
+            width = chunk.num_tokens if i in all_rows else verified
             if i in all_rows:
                 rows[i] = logits[at : at + width]
-            last.append(at + width - 1)
+            last += range(at + width - verified, at + width)
             at += width
         return StepLogits(logits[last], rows)
+
+
+def page_tables(
+    groups: Iterable[GroupSpec], seq_ids: list[ReqId], manager: CacheManager, device: torch.device
+) -> tuple[dict[int, Tensor], dict[int, Tensor]]:
+    """(block table per attention group, live state page per recurrent group) of ``seq_ids``."""
+    tables: dict[int, Tensor] = {}
+    states: dict[int, Tensor] = {}
+    for group in groups:
+        gid = group.group_id
+        if group.is_recurrent:
+            pages = [manager.live_page(seq_id, gid) for seq_id in seq_ids]
+            states[gid] = torch.tensor(pages, dtype=torch.int64, device=device)
+            continue
+        rows = [manager.block_table(seq_id, gid) for seq_id in seq_ids]
+        width = max(len(r) for r in rows)
+        padded = [list(r) + [NULL_PAGE] * (width - len(r)) for r in rows]
+        tables[gid] = torch.tensor(padded, dtype=torch.int64, device=device)
+    return tables, states

@@ -20,7 +20,13 @@ from pathlib import Path
 import torch
 
 from hybridkv.core.layout import ArenaLayout
-from hybridkv.core.planner import DEFAULT_MAX_MODEL_LEN, Plan, max_seq_len, plan
+from hybridkv.core.planner import (
+    DEFAULT_MAX_MODEL_LEN,
+    Plan,
+    max_seq_len,
+    plan,
+    state_pages_per_seq,
+)
 from hybridkv.core.report import capacity_lines
 from hybridkv.core.spec import ModelSpec, RecurrentStateSpec
 from hybridkv.core.units import GIB
@@ -97,7 +103,9 @@ def choose_max_model_len(
     Raises:
         ValueError: the user's length, or one block, does not fit in the cache.
     """
-    fits = max_seq_len(layout, spec, config.block_size)
+    speculative = config.speculative  # scratch states of a speculative step count too
+    k = speculative.num_speculative_tokens if speculative else 0
+    fits = max_seq_len(layout, spec, config.block_size, state_pages_per_seq(spec, k))
     if config.max_model_len is not None:
         if config.max_model_len > fits:
             raise ValueError(
@@ -140,6 +148,9 @@ def plan_command(config: EngineConfig, spec: ModelSpec, budget: CacheBudget, len
     for flag, dtype in (("--kv-dtype", kv), ("--conv-dtype", conv), ("--ssm-dtype", ssm)):
         if dtype is not None:
             argv += [flag, dtype]
+    speculative = config.speculative  # (a draft model's own layers are not in the plan)
+    if speculative is not None:
+        argv += ["--num-speculative-tokens", str(speculative.num_speculative_tokens)]
     return shlex.join(argv)
 
 
@@ -165,12 +176,14 @@ def spec_dtypes(spec: ModelSpec) -> tuple[str | None, str | None, str | None]:
 
 def capacity_plan(config: EngineConfig, spec: ModelSpec, budget: CacheBudget, length: int) -> Plan:
     """:func:`hybridkv.core.planner.plan` for this engine's settings."""
+    speculative = config.speculative
     return plan(
         spec,
         budget.bytes,
         max_num_seqs=config.max_num_seqs,
         max_model_len=length,
         block_tokens=config.block_size,
+        num_speculative_tokens=speculative.num_speculative_tokens if speculative else 0,
     )
 
 

@@ -104,6 +104,22 @@ class CacheViews:
         arena = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
         return cls(spec, layout, arena)
 
+    def renumbered(self, first_layer: int) -> CacheViews:
+        """The views of layers ``first_layer``, ``first_layer + 1``, ... as layers 0, 1, ...
+
+        A speculative draft model's layers sit after the target's in the one arena
+        (:func:`hybridkv.core.spec.with_draft`); the draft model looks them up by its own
+        layer indices.
+        """
+        views = CacheViews.__new__(CacheViews)
+        views.arena, views.layout = self.arena, self.layout
+        views._views = {
+            (index - first_layer, name): view
+            for (index, name), view in self._views.items()
+            if index >= first_layer
+        }
+        return views
+
     def __getitem__(self, key: tuple[int, str]) -> AttentionView | StateView:
         return self._views[key]
 

@@ -88,6 +88,16 @@ _COUNTERS = {
         "hybridkv:state_snapshots_evicted",
         "State snapshots evicted from the prefix cache for room",
     ),
+    # speculative decoding (zero without speculation)
+    "spec_decode_num_drafts": ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    "spec_decode_num_draft_tokens": (
+        "vllm:spec_decode_num_draft_tokens",
+        "Number of draft tokens.",
+    ),
+    "spec_decode_num_accepted_tokens": (
+        "vllm:spec_decode_num_accepted_tokens",
+        "Number of accepted tokens.",
+    ),
 }
 _GROUP_GAUGES = {
     "pages_used": ("hybridkv:pages_used", "Pages held by running requests, per layer group"),
@@ -143,6 +153,14 @@ class _EngineCollector(Collector):
         for reason in sorted(set(FINISH_REASONS) | by_reason.keys()):
             success.add_metric([*self.labels, reason], by_reason.get(reason, 0))
         yield success
+        per_position = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*LABELS, "position"],
+        )
+        for position, kept in enumerate(stats["spec_decode_num_accepted_tokens_per_pos"]):
+            per_position.add_metric([*self.labels, str(position)], kept)
+        yield per_position
         for key, (name, doc) in _GROUP_GAUGES.items():
             family = GaugeMetricFamily(name, doc, labels=[*LABELS, "group", "kind"])
             for group in stats["groups"]:

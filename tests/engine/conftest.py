@@ -33,6 +33,21 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return get
 
 
+@pytest.fixture(scope="session")
+def copying_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """arch -> (transformers model, checkpoint dir) of a model whose greedy output loops
+    (``build_checkpoint(mixer_scale=0.1)``): what n-gram speculation can copy."""
+    built: dict[str, tuple[Any, Path]] = {}
+
+    def get(arch: str) -> tuple[Any, Path]:
+        if arch not in built:
+            model_dir = tmp_path_factory.mktemp(f"copying_{arch}")
+            built[arch] = (build_checkpoint(arch, model_dir, mixer_scale=0.1), model_dir)
+        return built[arch]
+
+    return get
+
+
 @pytest.fixture(scope="module")
 def llm(checkpoints: Any) -> Any:
     """A fresh ``LLM`` over the tiny Qwen3.5 checkpoint for each test module."""

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
 from hybrid_checks import make_hf
 from test_falcon_h1 import CONFIG as FALCON_H1
 from test_jamba import CONFIG as JAMBA
@@ -35,9 +36,23 @@ ARCH = "qwen3_5_text"
 OPTIONS: dict[str, Any] = {"max_model_len": 128, "cache_memory_gib": 0.02, "poison_cache": True}
 
 
-def build_checkpoint(arch: str, model_dir: Path, seed: int = 0) -> Any:
-    """Save a seeded tiny ``arch`` checkpoint (with the byte tokenizer) into ``model_dir``."""
+MIXER_OUTPUTS = ("o_proj", "out_proj", "down_proj")  # what each block adds to the residual
+
+
+def build_checkpoint(arch: str, model_dir: Path, seed: int = 0, mixer_scale: float = 1.0) -> Any:
+    """Save a seeded tiny ``arch`` checkpoint (with the byte tokenizer) into ``model_dir``.
+
+    ``mixer_scale`` < 1 scales every block's output projection: the model is then close to
+    a bigram model (the last token's embedding dominates), so its greedy output falls into
+    loops an n-gram proposer can copy, while the attention and recurrent layers still
+    decide the near ties (a wrong state changes the output). Speculation tests use it.
+    """
     hf = make_hf(arch, CONFIGS[arch], seed)
+    if mixer_scale != 1.0:
+        with torch.no_grad():
+            for name, param in hf.named_parameters():
+                if any(key in name for key in MIXER_OUTPUTS):
+                    param.mul_(mixer_scale)
     save_checkpoint(hf, model_dir)
     config_path = model_dir / "config.json"
     config = json.loads(config_path.read_text())
@@ -47,9 +62,10 @@ def build_checkpoint(arch: str, model_dir: Path, seed: int = 0) -> Any:
     return hf
 
 
-def tight_cache_gib(path: Path, options: dict[str, Any]) -> float:
+def tight_cache_gib(path: Path, options: dict[str, Any], state_pages: int = 3) -> float:
     """A cache that holds one max_model_len sequence: about one of these requests at a
-    time, so running nine at once needs preemption, and caching them needs eviction."""
+    time, so running nine at once needs preemption, and caching them needs eviction.
+    ``state_pages`` per recurrent group: 3, plus one per draft token when speculating."""
     from hybridkv import LLM
 
     probe = LLM(str(path), **options)
@@ -57,6 +73,8 @@ def tight_cache_gib(path: Path, options: dict[str, Any]) -> float:
     chunks_needed = 0
     for g in spec.groups:
         per_chunk = layout.pages_per_chunk(g.group_id)
-        pages = 3 if g.is_recurrent else -(-options["max_model_len"] // options["block_size"])
+        pages = (
+            state_pages if g.is_recurrent else -(-options["max_model_len"] // options["block_size"])
+        )
         chunks_needed += -(-pages // per_chunk)
     return chunks_needed * layout.chunk_bytes / (1 << 30)

@@ -217,6 +217,7 @@ def test_metrics_exposes_engine_state(http: httpx.Client) -> None:
         "vllm:prefix_cache_queries_total",
         "vllm:num_preemptions_total",
         "vllm:generation_tokens_total",
+        "vllm:spec_decode_num_draft_tokens_total",  # 0: this server does not speculate
     ):
         assert name in metrics, name
     assert metrics["vllm:time_to_first_token_seconds_count"] > 0

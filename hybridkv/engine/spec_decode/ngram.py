@@ -23,6 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridkv.sched.request import Sequence as Seq
+    from hybridkv.sched.scheduler import ScheduledChunk
 
 
 @dataclass(slots=True)
@@ -96,3 +101,27 @@ class _Concat:
         if start >= split:
             return tuple(self._output[start - split : stop - split])
         return tuple(self._prompt[start:]) + tuple(self._output[: stop - split])
+
+
+class NgramDrafts:
+    """:class:`NgramProposer` as the engine's proposer: the draft found when the step is
+    planned is the one verified."""
+
+    def __init__(self, proposer: NgramProposer) -> None:
+        self.proposer = proposer
+        self._found: dict[str, list[int]] = {}
+
+    def available(self, seq: Seq, limit: int) -> int:
+        found = self.proposer.propose(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids, limit)
+        self._found[seq.seq_id] = found
+        return len(found)
+
+    def fill(self, chunks: list[ScheduledChunk]) -> None:
+        for chunk in chunks:
+            if chunk.num_draft_tokens:
+                seq = chunk.seq
+                seq.draft_token_ids = self._found[seq.seq_id][: chunk.num_draft_tokens]
+
+    def forget(self, seq_id: str) -> None:
+        self._found.pop(seq_id, None)
+        self.proposer.forget(seq_id)
