@@ -96,6 +96,18 @@ EXAMPLES: dict[str, Example] = {
         ),
     "hybridkv simulate --model qwen3.5-27b --trace system-prompt --memory-gib 16 --json":
         AS_WRITTEN,
+    "hybridkv simulate --model qwen3.5-27b --trace system-prompt --memory-gib 16 --designs "
+    "hybridkv hybridkv-prompt-end unified-page --json": AS_WRITTEN,
+    "hybridkv simulate --model qwen3.5-27b --trace agentic --memory-gib 4 --designs hybridkv "
+    "hybridkv-prompt-end --json": Example(
+        "hybridkv simulate --model qwen3.5-27b --trace agentic --memory-gib 4 --designs hybridkv "
+        "hybridkv-prompt-end --json --scale 0.1",
+        "as written it takes 34 s on an idle 2-core machine",
+    ),
+    "hybridkv simulate --model qwen3.5-27b --trace chat --memory-gib 16 --designs hybridkv "
+    "unified-page unified-page-retention --json": AS_WRITTEN,
+    "hybridkv simulate --model qwen3.5-27b --trace agentic --memory-gib 4 --designs hybridkv "
+    "unified-page unified-page-retention --json": AS_WRITTEN,
 }  # fmt: skip
 SERVE_EXAMPLE = next(k for k, v in EXAMPLES.items() if v.run and v.run.startswith("hybridkv serve"))
 RUN_HERE = [k for k, v in EXAMPLES.items() if v.run is not None and k != SERVE_EXAMPLE]
