@@ -9,7 +9,7 @@ page size (vLLM's sizing of hybrid caches) would hold in the same memory.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -197,11 +197,8 @@ def _max_kv_blocks(layout: ArenaLayout, spec: ModelSpec, free_full_chunks: int) 
     def chunks_for(n: int) -> int:
         return sum(-(-n // layout.pages_per_chunk(g)) for g in token_groups)
 
-    low, high = 0, free_full_chunks * max(layout.pages_per_chunk(g) for g in token_groups)
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if chunks_for(mid) <= free_full_chunks else (low, mid - 1)
-    return low
+    high = free_full_chunks * max(layout.pages_per_chunk(g) for g in token_groups)
+    return _largest(lambda n: chunks_for(n) <= free_full_chunks, high)
 
 
 def max_seq_len(
@@ -237,8 +234,14 @@ def _max_concurrency(
         free = layout.num_full_chunks - _state_chunks(layout, spec, num_seqs, pages_per_seq)
         return free >= 0 and _max_kv_blocks(layout, spec, free) >= num_seqs * blocks_per_seq
 
-    low, high = 0, max(1, layout.total_bytes // max(1, spec.state_bytes_per_seq or 1))
-    high = min(high, 1 << 24)
+    high = max(1, layout.total_bytes // max(1, spec.state_bytes_per_seq or 1))
+    return _largest(fits, min(high, 1 << 24))
+
+
+def _largest(fits: Callable[[int], bool], high: int) -> int:
+    """The largest n in [0, high] with ``fits(n)``, for a ``fits`` that holds up to some n
+    and fails beyond it (every count the plan searches for is monotone that way)."""
+    low = 0
     while low < high:
         mid = (low + high + 1) // 2
         low, high = (mid, high) if fits(mid) else (low, mid - 1)
@@ -252,14 +255,14 @@ def _state_bound(
     KV takes no room (None: no recurrent group)."""
     if not any(g.is_recurrent for g in spec.groups):
         return None
-    low, high = 0, 1
-    while _state_chunks(layout, spec, high, pages_per_seq) <= layout.num_full_chunks:
+
+    def fits(num_seqs: int) -> bool:
+        return _state_chunks(layout, spec, num_seqs, pages_per_seq) <= layout.num_full_chunks
+
+    high = 1
+    while fits(high):
         high *= 2
-    while low < high:
-        mid = (low + high + 1) // 2
-        fits = _state_chunks(layout, spec, mid, pages_per_seq) <= layout.num_full_chunks
-        low, high = (mid, high) if fits else (low, mid - 1)
-    return low
+    return _largest(fits, high)
 
 
 def concurrency(
@@ -405,15 +408,14 @@ def plan(
 def _max_seqs_with_one_block(
     layout: ArenaLayout, spec: ModelSpec, pages_per_seq: PagesPerSeq = 1
 ) -> int:
-    low, high = 0, 1 << 20
-    while low < high:
-        mid = (low + high + 1) // 2
-        free = layout.num_full_chunks - _state_chunks(layout, spec, mid, pages_per_seq)
-        ok = free >= 0 and (
-            not spec.num_attention_layers or _max_kv_blocks(layout, spec, free) >= mid
+
+    def fits(num_seqs: int) -> bool:
+        free = layout.num_full_chunks - _state_chunks(layout, spec, num_seqs, pages_per_seq)
+        return free >= 0 and (
+            not spec.num_attention_layers or _max_kv_blocks(layout, spec, free) >= num_seqs
         )
-        low, high = (mid, high) if ok else (low, mid - 1)
-    return low
+
+    return _largest(fits, 1 << 20)
 
 
 def _measure(
