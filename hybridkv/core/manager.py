@@ -469,6 +469,22 @@ class CacheManager:
         if req is not None:
             self._stop(req)
 
+    def reset_prefix_cache(self) -> int:
+        """Empty the prefix cache (vLLM's ``reset_prefix_cache``), between two steps.
+
+        Afterwards no prompt hits anything cached before: every cached page (KV block or
+        state snapshot) is free, and the pages running requests hold are theirs alone,
+        unhashed. Running requests are unaffected: their live states and block tables
+        stay, and their next commits publish their blocks (and later snapshots) again.
+        Counters (queries, hits, evictions) keep counting: they are totals since start.
+
+        Returns:
+            the number of cached pages freed, over all groups.
+        """
+        for group in self.groups:
+            group.forget_published()
+        return sum(pool.forget_hashes() for pool in self.allocator.pools)
+
     # ------------------------------------------------------------------ queries
 
     def num_cached_tokens(self, req_id: ReqId) -> int:

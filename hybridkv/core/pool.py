@@ -202,6 +202,15 @@ class PagePool:
             del self._cached[page]
             self._put_free(page)
 
+    def forget_hashes(self) -> int:
+        """Empty the prefix cache of this pool: every cached page becomes free, and pages
+        that running requests reference lose their hash (they stay theirs, unreachable by
+        any hit). Returns the number of cached pages freed."""
+        freed = len(self._cached)
+        for page in list(self._hash):
+            self.uncache(page)
+        return freed
+
     def reuse_cached(self, page: PageId, now: int) -> PageId:
         """Evict a cached page and hand it out at once (ref 1)."""
         assert self._ref[page] == 0 and page in self._cached

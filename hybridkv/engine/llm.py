@@ -4,6 +4,7 @@ llm = LLM(model="path/to/checkpoint", max_model_len=4096, cache_memory_gib=2.0)
 outs = llm.generate(["Hello", {"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=32))
 llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0))
 llm.stats()
+llm.reset_prefix_cache()  # nothing cached hits afterwards
 
 Threads: one ``LLM`` may be called from several threads at once. Each call queues its
 requests, then the calling threads take turns running engine steps under one lock; a step
@@ -160,6 +161,12 @@ class LLM:
                         if out.finished:
                             self._finished[out.request_id] = out
         return [done[i] for i in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (:meth:`LLMEngine.reset_prefix_cache`), between two steps:
+        requests other threads are running go on unaffected."""
+        with self._step_lock:
+            return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict[str, Any]:
         """:meth:`LLMEngine.stats` between two steps (the capacity report included)."""

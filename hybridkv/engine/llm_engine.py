@@ -553,6 +553,22 @@ class LLMEngine:
         self.finished_by_reason[reason] += 1
         return self._output(req)
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as vLLM's ``reset_prefix_cache``; call it between steps.
+
+        Every cached KV block and state snapshot is freed, so no later prompt hits what was
+        computed before (benchmarks time cold and warm turns alike this way). Unlike vLLM,
+        which refuses while requests run, running requests go on unaffected: they keep
+        their block tables and live states, lose the snapshots they held, and publish
+        their blocks again as they run. Counters are totals since start and keep counting.
+
+        Returns:
+            True (vLLM's return value: the reset took place).
+        """
+        freed = self.manager.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached pages freed", freed)
+        return True
+
     # ------------------------------------------------------------------ stats
 
     def _spec_decode_stats(self) -> dict[str, Any]:

@@ -1,10 +1,10 @@
 """The FastAPI app: OpenAI routes over one engine, health, metrics, auth, limits.
 
 Authentication: with ``api_key`` set, every ``/v1/*`` route, ``/tokenize``,
-``/detokenize``, ``/docs`` and ``/openapi.json`` need ``Authorization: Bearer <key>``
-(else 401). ``/health``, ``/metrics`` and ``/version`` stay open, as in vLLM: load
-balancers and Prometheus scrapers probe them without credentials, and they reveal no
-prompts or outputs.
+``/detokenize``, ``/reset_prefix_cache``, ``/docs`` and ``/openapi.json`` need
+``Authorization: Bearer <key>`` (else 401). ``/health``, ``/metrics`` and ``/version``
+stay open, as in vLLM: load balancers and Prometheus scrapers probe them without
+credentials, and they reveal no prompts or outputs.
 """
 
 from __future__ import annotations
@@ -109,6 +109,19 @@ def _tokenizer_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
     return router
 
 
+def _admin_router(ctx: ServingContext, api_key: str | None) -> APIRouter:
+    """vLLM's ``POST /reset_prefix_cache``: empty the prefix cache (cold-cache benchmarks);
+    running requests go on unaffected. Behind the API key: it costs every client its hits."""
+    router = APIRouter(dependencies=[Depends(_auth_dependency(api_key))])
+
+    @router.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        await asyncio.to_thread(ctx.engine.reset_prefix_cache)  # waits for the step in flight
+        return Response(status_code=200)
+
+    return router
+
+
 def _docs_router(app: FastAPI, api_key: str | None) -> APIRouter:
     """``/openapi.json`` and ``/docs`` (Swagger UI), behind the API key when one is set."""
     router = APIRouter(dependencies=[Depends(_auth_dependency(api_key))])
@@ -140,8 +153,8 @@ def create_app(
     Args:
         engine: the engine, or an :class:`AsyncEngine` already wrapping one.
         served_model_name: the only ``model`` value requests may name (else 404).
-        api_key: if set, ``/v1/*``, the tokenizer routes and the docs need
-            ``Authorization: Bearer <api_key>``.
+        api_key: if set, ``/v1/*``, the tokenizer routes, ``/reset_prefix_cache`` and the
+            docs need ``Authorization: Bearer <api_key>``.
         server: body size and time limits, request logging, docs (default ServerConfig()).
         tool_parser: how the model writes tool calls (default: hermes).
     """
@@ -181,6 +194,7 @@ def create_app(
     )
     app.include_router(_v1_router(ctx, api_key))
     app.include_router(_tokenizer_router(ctx, api_key))
+    app.include_router(_admin_router(ctx, api_key))
     if not server.disable_fastapi_docs:
         app.include_router(_docs_router(app, api_key))
 

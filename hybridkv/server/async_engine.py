@@ -181,6 +181,12 @@ class AsyncEngine:
         with self._step_lock:
             return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """``engine.reset_prefix_cache()`` between two steps. Blocks up to one step: call it
+        off the loop."""
+        with self._step_lock:
+            return self.engine.reset_prefix_cache()
+
     @property
     def num_open_requests(self) -> int:
         """Requests with a consumer attached (what the server still has to answer)."""

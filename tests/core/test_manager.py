@@ -344,3 +344,49 @@ def test_no_hybrid_miss_when_the_snapshot_covers_the_kv_hit() -> None:
     usage = mgr.usage()
     assert usage.prefix_hit_tokens == 16 + 20
     assert usage.prefix_hybrid_miss_tokens == 0
+
+
+def test_reset_prefix_cache_frees_every_cached_page_and_nothing_hits() -> None:
+    mgr = make_manager(num_chunks=8)
+    mgr.add_request(A, tokens(20))
+    prefill(mgr, "a", 20)
+    decode(mgr, "a", [1, 2, 3])
+    mgr.free(A)
+    cached = page_counts(mgr).cached
+    assert cached[ATTN] > 0 and cached[STATE] > 0
+    assert mgr.reset_prefix_cache() == sum(cached)
+    mgr.check_integrity()
+    assert page_counts(mgr) == (
+        (0, 0),
+        (0, 0),
+        (0, 0),
+        (0, 0),
+        8,
+    )  # every chunk back in the arena
+    mgr.add_request(B, tokens(20))
+    assert mgr.find_hit(B).num_tokens == 0
+    assert mgr.reset_prefix_cache() == 0  # idempotent
+
+
+def test_reset_prefix_cache_keeps_running_requests_live_pages_only() -> None:
+    """A running request keeps its block table and live state; its snapshots go;
+    its later steps publish its blocks again, so its next turn hits once more."""
+    mgr = make_manager(num_chunks=8)
+    mgr.add_request(A, tokens(20))
+    prefill(mgr, "a", 20)
+    table, live = list(mgr.block_table(A, ATTN)), mgr.live_page(A, STATE)
+    assert parked(mgr, "a") is not None  # its prompt-end snapshot, released to the cache
+    mgr.reset_prefix_cache()
+    mgr.check_integrity()
+    assert mgr.block_table(A, ATTN) == table and mgr.live_page(A, STATE) == live
+    assert snapshot_positions(mgr, "a") == [] and parked(mgr, "a") is None
+    counts = page_counts(mgr)
+    assert counts.cached == (0, 0) and counts.used == (len(table), 1)  # all free or live
+    mgr.add_request(B, tokens(20))
+    assert mgr.find_hit(B).num_tokens == 0
+    decode(mgr, "a", [1, 2, 3, 4])  # 24 computed: a snapshot at the block boundary 24
+    seq = list(mgr._reqs[A].tokens)
+    mgr.free(A)
+    mgr.check_integrity()
+    mgr.add_request(C, [*seq, 7, 8])
+    assert mgr.find_hit(C).num_tokens == 24

@@ -3,7 +3,7 @@
 Requests share prefixes, memory is tight (a handful of chunks), so hits, branch points
 (a prefix shared with a cached or running prompt), several snapshots in one chunk,
 parked snapshots evicted under pressure, evictions across groups, failed allocations
-and preemptions all happen. After every rule
+and preemptions all happen, and so do prefix-cache resets between steps. After every rule
 ``check_integrity()`` runs; a failed allocation must leave every count as it was; at
 the end, with every request freed, no page is referenced.
 
@@ -239,6 +239,38 @@ def machine(
             self.mgr.add_request(req_id, seq)
             self.prompt_len[req_id] = len(seq)
             return req_id
+
+        @rule()
+        def reset(self) -> None:
+            """A prefix-cache reset between steps: nothing cached stays, running requests
+            keep exactly their live pages (their states and block tables, same contents)."""
+            mgr = self.mgr
+            live = {
+                req_id: (
+                    [list(mgr.block_table(req_id, g.group_id)) for g in self._token_groups()],
+                    [g.reqs[req_id].live for g in mgr.recurrent if req_id in g.reqs],
+                )
+                for req_id in self.prompt_len
+            }
+            cached = sum(pool.num_cached_pages for pool in mgr.allocator.pools)
+            freed = mgr.reset_prefix_cache()
+            assert freed >= cached
+            for pool in mgr.allocator.pools:
+                assert pool.num_cached_pages == 0 and pool._hash == {}
+            for group in mgr.recurrent:
+                for state in group.reqs.values():
+                    assert state.snapshots == {} and state.parked is None
+            assert live == {
+                req_id: (
+                    [list(mgr.block_table(req_id, g.group_id)) for g in self._token_groups()],
+                    [g.reqs[req_id].live for g in mgr.recurrent if req_id in g.reqs],
+                )
+                for req_id in self.prompt_len
+            }
+            for req_id in self.prompt_len:
+                if not mgr._reqs[req_id].started:
+                    assert mgr.find_hit(req_id).num_tokens == 0
+            event("prefix cache reset")
 
         @invariant()
         def consistent(self) -> None:

@@ -101,3 +101,34 @@ def test_docs_are_open_without_a_key(http: httpx.Client) -> None:
     schema = http.get("/openapi.json")
     assert schema.status_code == 200 and "/v1/chat/completions" in schema.json()["paths"]
     assert "swagger" in http.get("/docs").text.lower()
+
+
+def test_reset_prefix_cache_needs_the_api_key_and_empties_the_cache(secured: str) -> None:
+    """vLLM's ``POST /reset_prefix_cache``, behind the key: afterwards a repeated prompt
+    finds nothing cached, and no cached page is left."""
+    auth = {"Authorization": "Bearer s3cret"}
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "A long shared system prompt that several requests reuse. " * 2,
+        "max_tokens": 3,
+        "temperature": 0,
+    }
+
+    def cached_tokens() -> int:
+        response = httpx.post(secured + "/v1/completions", json=body, headers=auth, timeout=60)
+        assert response.status_code == 200
+        return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached_tokens()
+    assert cached_tokens() > 0
+    assert httpx.post(secured + "/reset_prefix_cache").status_code == 401
+    wrong = {"Authorization": "Bearer wrong"}
+    assert httpx.post(secured + "/reset_prefix_cache", headers=wrong).status_code == 401
+    assert cached_tokens() > 0  # a refused reset changed nothing
+    assert httpx.post(secured + "/reset_prefix_cache", headers=auth).status_code == 200
+    with httpx.Client(base_url=secured) as http:
+        metrics = scrape(http)
+    cached_pages = [v for k, v in metrics.items() if k.startswith("hybridkv:pages_cached")]
+    assert cached_pages and sum(cached_pages) == 0
+    assert cached_tokens() == 0
+    assert cached_tokens() > 0

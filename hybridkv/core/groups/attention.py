@@ -90,6 +90,13 @@ class AttentionGroup(GroupManager):
             for page in self._children.get(parent, ())
         )
 
+    def forget_published(self) -> None:
+        """The running requests' full blocks are published again by their next commit."""
+        for req_id in self._num_cached_blocks:
+            self._num_cached_blocks[req_id] = 0
+        self._parent.clear()
+        self._children.clear()
+
     def free(self, req_id: ReqId) -> None:
         # Tail first: the LRU queue then evicts a prefix's deepest blocks before its root.
         for page in reversed(self.tables.pop(req_id, [])):

@@ -91,6 +91,12 @@ class GroupManager(ABC):
     def free(self, req_id: ReqId) -> None:
         """Drop every reference of the request; hashed pages stay cached."""
 
+    @abstractmethod
+    def forget_published(self) -> None:
+        """Before the pool forgets every hash (a prefix-cache reset, between steps): drop
+        what the request records say about published pages, so that running requests
+        go on as if nothing had been cached, publishing their blocks anew."""
+
     def _allocate_pages(self, count: int) -> list[PageId] | None:
         pages: list[PageId] = []
         for _ in range(count):

@@ -399,6 +399,22 @@ class RecurrentGroup(GroupManager):
         self.pool.uncache(parked.page)
         self.num_snapshots_dropped += 1
 
+    def forget_published(self) -> None:
+        """Every request lets go of its snapshots (the hit it resumed from, the ones it
+        took, the parked one): only live states stay held. Its later snapshots are taken
+        as the policy says, from its current position on."""
+        assert all(not s.pending and not s.scratch for s in self.reqs.values()), (
+            "a prefix-cache reset must run between steps"
+        )
+        clock = self.allocator.clock
+        for state in self.reqs.values():
+            for page in state.snapshots.values():
+                self.pool.release(page, clock)
+            state.snapshots.clear()
+            state.created.clear()
+            state.parked = None
+        self._generated.clear()
+
     def free(self, req_id: ReqId) -> None:
         state = self.reqs.pop(req_id, None)
         if state is None:
