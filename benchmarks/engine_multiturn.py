@@ -7,21 +7,29 @@ reply + a new message, submitted when the previous turn has finished (the replay
 settings: eviction LRU vs cost-aware, checkpoint interval and retention interval, once
 with a roomy cache and once with one so small that eviction (and preemption) happens.
 
-Printed per setting: the token hit rate (prefix-cache hits / tokens looked up), mean and
-p95 time to first token, its ratio to caching off measured in the same run, the mean
-steps from submission to first token (load-independent, as the next column is), output
-tokens/s, prompt tokens computed (looked up but not hit, so recomputation after
-preemption counts: the cost that does not depend on machine load), preemptions, evicted
-pages, and whether the greedy replies equal those with caching off (they must: the cache
-never changes an answer).
+Every run is on a fresh engine (nothing cached from an earlier run). The repeats go round
+the whole grid, each round in a rotated order, so a change in the machine's load hits every
+setting alike; each timed figure is the median over the rounds with its min-max, and the
+ratio to caching off is taken per round (same round, side by side), then its median.
 
-Usage: ``python benchmarks/engine_multiturn.py [--conversations 8] [--repeats 2]
+Printed per setting: the token hit rate (prefix-cache hits / tokens looked up); mean time
+to first token (median [min-max] over rounds) and its ratio to caching off; the same
+ratio for first turns only (fresh prompts: only the shared system prompt can hit) and for
+follow-ups; then the load-independent columns: mean steps from submission to first token
+(all requests, and first turns alone), prompt tokens computed (looked up but not hit, so
+recomputation after preemption counts), prompt tokens served from the cache,
+preemptions and evicted pages (these must not vary between rounds: a "~" marks one that
+did), output tokens/s (median), and whether the greedy replies equal those with caching
+off (they must: the cache never changes an answer).
+
+Usage: ``python benchmarks/engine_multiturn.py [--conversations 8] [--repeats 5]
 [--settings 1 3]`` (indices into ``SETTINGS``; caching off always runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,43 +82,77 @@ def run_grid(
     requests: list[BenchRequest],
     repeats: int,
     settings: list[Setting],
-) -> dict[str, BenchResult]:
-    """Each setting's run with the lowest mean TTFT, on a fresh engine each time.
+) -> dict[str, list[BenchResult]]:
+    """Every setting's runs, one per round, on a fresh engine each time.
 
-    The repeats go round the whole grid (not setting by setting), so a change in the
-    machine's load during the run hits every setting alike.
+    Round ``i`` starts at setting ``i mod n`` (rotated order), so no setting always runs
+    first or right after the same neighbour.
     """
-    best: dict[str, BenchResult] = {}
-    for _ in range(repeats):
-        for s in settings:
-            r = run_once(model, memory_gib, s, requests)
-            if s.label not in best or r.ttft_mean_s < best[s.label].ttft_mean_s:
-                best[s.label] = r
-    return best
+    runs: dict[str, list[BenchResult]] = {s.label: [] for s in settings}
+    for i in range(repeats):
+        shift = i % len(settings)
+        for s in settings[shift:] + settings[:shift]:
+            runs[s.label].append(run_once(model, memory_gib, s, requests))
+    return runs
 
 
-def print_table(title: str, results: dict[str, BenchResult]) -> None:
-    base = results["caching off"]
-    print(f"\n{title}")
-    print(
-        f"  {'setting':26s} {'hit rate':>8s} {'TTFT mean':>10s} {'p95':>8s} {'vs off':>7s} "
-        f"{'steps':>5s} "
-        f"{'out tok/s':>9s} {'computed':>8s} {'preempt':>7s} {'evicted':>7s}  replies"
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """'median [min-max]' of ``values``."""
+    return (
+        f"{fmt.format(statistics.median(values))} "
+        f"[{fmt.format(min(values))}-{fmt.format(max(values))}]"
     )
-    for label, r in results.items():
-        same = "= off" if r.replies == base.replies else "DIFFER"
-        computed = r.prefix_cache_queries - r.prefix_cache_hits  # recomputation included
+
+
+def mean_of(values: dict[str, float] | dict[str, int], ids: set[str]) -> float:
+    picked = [v for k, v in values.items() if k in ids]
+    return sum(picked) / len(picked) if picked else 0.0
+
+
+def same_in_every_run(values: list[Any], fmt: str) -> str:
+    """The value, or its median marked '~' if the rounds did not all agree."""
+    if all(v == values[0] for v in values):
+        return fmt.format(values[0])
+    return "~" + fmt.format(statistics.median(values))
+
+
+def print_table(title: str, runs: dict[str, list[BenchResult]], first_turns: set[str]) -> None:
+    base = runs["caching off"]
+    rounds = len(base)
+    print(f"\n{title} ({rounds} rounds; times: median [min-max]; ratios per round)")
+    print(
+        f"  {'setting':26s} {'hits':>6s} {'TTFT mean ms':>18s} {'TTFT vs off':>17s} "
+        f"{'1st turns vs off':>17s} {'follow-ups vs off':>17s} "
+        f"{'steps':>5s} {'1st':>4s} {'computed':>8s} {'cached':>7s} {'preempt':>7s} "
+        f"{'evicted':>7s} {'out tok/s':>9s}  replies"
+    )
+    follow_ups = set(base[0].ttft_s) - first_turns
+    for label, rs in runs.items():
+        same = all(r.replies == base[0].replies for r in rs)
+        ratio = [r.ttft_mean_s / b.ttft_mean_s for r, b in zip(rs, base, strict=True)]
+        first = [
+            mean_of(r.ttft_s, first_turns) / mean_of(b.ttft_s, first_turns)
+            for r, b in zip(rs, base, strict=True)
+        ]
+        later = [
+            mean_of(r.ttft_s, follow_ups) / mean_of(b.ttft_s, follow_ups)
+            for r, b in zip(rs, base, strict=True)
+        ]
+        first_steps = [mean_of(dict(r.ttft_steps), first_turns) for r in rs]
+        computed = [r.prefix_cache_queries - r.prefix_cache_hits for r in rs]  # recomputation too
         print(
-            f"  {label:26s} {r.prefix_cache_hit_rate:8.1%} {1000 * r.ttft_mean_s:8.1f}ms "
-            f"{1000 * r.ttft_p95_s:6.0f}ms {r.ttft_mean_s / base.ttft_mean_s:7.2f} "
-            f"{r.ttft_mean_steps:5.2f} "
-            f"{r.output_tokens_per_s:9.1f} {computed:8d} {r.num_preemptions:7d} "
-            f"{r.pages_evicted:7d}  {same}"
+            f"  {label:26s} {statistics.median(r.prefix_cache_hit_rate for r in rs):6.1%} "
+            f"{spread([1000 * r.ttft_mean_s for r in rs], '{:.1f}'):>18s} "
+            f"{spread(ratio):>17s} {spread(first):>17s} {spread(later):>17s} "
+            f"{same_in_every_run([r.ttft_mean_steps for r in rs], '{:.2f}'):>5s} "
+            f"{same_in_every_run(first_steps, '{:.2f}'):>4s} "
+            f"{same_in_every_run(computed, '{:d}'):>8s} "
+            f"{same_in_every_run([r.cached_prompt_tokens for r in rs], '{:d}'):>7s} "
+            f"{same_in_every_run([r.num_preemptions for r in rs], '{:d}'):>7s} "
+            f"{same_in_every_run([r.pages_evicted for r in rs], '{:d}'):>7s} "
+            f"{statistics.median(r.output_tokens_per_s for r in rs):9.1f}  "
+            f"{'= off' if same else 'DIFFER'}"
         )
-    cached = {k: v for k, v in results.items() if k != "caching off"}
-    best_ttft = min(cached, key=lambda k: cached[k].ttft_mean_s)
-    best_hits = max(cached, key=lambda k: cached[k].prefix_cache_hit_rate)
-    print(f"  best mean TTFT: {best_ttft}; best hit rate: {best_hits}")
 
 
 def chat_requests(args: argparse.Namespace, vocab_size: int) -> list[BenchRequest]:
@@ -139,7 +181,7 @@ def main() -> None:
     parser.add_argument("--memory-gib", type=float, default=0.25, help="the roomy cache")
     parser.add_argument("--small-memory-gib", type=float, default=0.003, help="the tight cache")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per setting (best kept)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds over the grid")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--settings",
@@ -159,11 +201,12 @@ def main() -> None:
         print(
             f"chat: {args.conversations} conversations x {args.turns} turns behind a "
             f"{args.system_tokens}-token system prompt, ~96-token messages, ~48-token greedy "
-            f"replies; best of {args.repeats} runs per setting"
+            f"replies; {args.repeats} interleaved rounds"
         )
+        first_turns = {r.req_id for r in requests if r.after is None}
         for memory_gib in (args.memory_gib, args.small_memory_gib):
-            results = run_grid(str(path), memory_gib, requests, args.repeats, settings)
-            print_table(f"cache {memory_gib:g} GiB", results)
+            runs = run_grid(str(path), memory_gib, requests, args.repeats, settings)
+            print_table(f"cache {memory_gib:g} GiB", runs, first_turns)
 
 
 if __name__ == "__main__":

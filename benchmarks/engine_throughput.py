@@ -13,17 +13,27 @@ layers' cached path; checked below on every run), so all prompts have the same l
 no batch is padded. Two output-length mixes are timed: all equal (decoding cost alone) and
 uniform in [8, 2 x mean] (what static batching wastes on short requests). Greedy, EOS
 ignored, so both sides generate exactly the requested tokens; the engine's tokens are
-compared with transformers'. Each figure is the best of ``--repeats`` runs, after a warm-up.
+compared with transformers'.
 
-Usage: ``python benchmarks/engine_throughput.py [--num-requests 64] [--threads 1]``.
+Each repeat draws fresh prompts (a prompt never repeats across runs, so caching on finds
+nothing to reuse but what the prompts share by chance: its cost, not its gain, is measured)
+and runs transformers, the engine with caching on and with caching off on them in a rotated
+order, after a warm-up. Printed: tokens/s as median [min-max] over the repeats, the
+ratios taken per repeat (same prompts, side by side) then their median, and the
+load-independent columns beside them: engine steps, prompt tokens computed and prompt
+tokens served from the cache (per run; a "~" marks one that varied across repeats).
+
+Usage: ``python benchmarks/engine_throughput.py [--num-requests 64] [--repeats 5] [--threads 1]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +59,7 @@ def hf_generate(model: Any, prompts: list[list[int]], num_tokens: int) -> list[l
     return out[:, ids.shape[1] :].tolist()
 
 
-def run_hf(
-    model: Any, prompts: list[list[int]], lengths: list[int], batch_size: int
-) -> tuple[float, list[list[int]]]:
+def run_hf(model: Any, prompts: list[list[int]], lengths: list[int], batch_size: int) -> Run:
     """(seconds, each request's tokens cut to its length) for static batches in order."""
     tokens: list[list[int]] = []
     start = time.perf_counter()
@@ -59,17 +67,38 @@ def run_hf(
         batch_lengths = lengths[i : i + batch_size]
         out = hf_generate(model, prompts[i : i + batch_size], max(batch_lengths))
         tokens += [row[:n] for row, n in zip(out, batch_lengths, strict=True)]
-    return time.perf_counter() - start, tokens
+    return Run(seconds=time.perf_counter() - start, tokens=tokens)
 
 
-def run_engine(
-    llm: LLM, prompts: list[list[int]], lengths: list[int]
-) -> tuple[float, list[list[int]]]:
+@dataclass(frozen=True, slots=True)
+class Run:
+    """One timed run: its seconds, each request's tokens, and the load-free counts."""
+
+    seconds: float
+    tokens: list[list[int]]
+    steps: int = 0
+    computed: int = 0  # prompt tokens the forward ran (not served from the cache)
+    cached: int = 0  # prompt tokens served from the cache
+    preemptions: int = 0
+
+
+def run_engine(llm: LLM, prompts: list[list[int]], lengths: list[int]) -> Run:
     batch = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in lengths]
+    before = llm.stats()
     start = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)  # type: ignore[arg-type]
-    return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
+    seconds = time.perf_counter() - start
+    after = llm.stats()
+    cached = sum(o.num_cached_tokens for o in outs)
+    return Run(
+        seconds=seconds,
+        tokens=[o.outputs[0].token_ids for o in outs],
+        steps=after["num_steps"] - before["num_steps"],
+        computed=sum(map(len, prompts)) - cached,
+        cached=cached,
+        preemptions=after["num_preemptions"] - before["num_preemptions"],
+    )
 
 
 def check_padding(model: Any, rng: random.Random) -> str:
@@ -102,9 +131,19 @@ def check_padding(model: Any, rng: random.Random) -> str:
     )
 
 
-def best_of(repeats: int, fn: Any, *args: Any) -> tuple[float, list[list[int]]]:
-    runs = [fn(*args) for _ in range(repeats)]
-    return min(runs, key=lambda r: r[0])
+def spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """'median [min-max]' of ``values``."""
+    return (
+        f"{fmt.format(statistics.median(values))} "
+        f"[{fmt.format(min(values))}-{fmt.format(max(values))}]"
+    )
+
+
+def same_in_every_run(values: list[int]) -> str:
+    """The count, or its median marked '~' if the repeats did not all agree."""
+    if all(v == values[0] for v in values):
+        return str(values[0])
+    return f"~{statistics.median(values):g}"
 
 
 def main() -> None:
@@ -114,7 +153,7 @@ def main() -> None:
     parser.add_argument("--mean-output-tokens", type=int, default=32)
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -123,14 +162,10 @@ def main() -> None:
         hf_model, path = build_tiny_checkpoint(Path(tmp))
         print(f"machine: {machine_line()}")
         print(f"transformers padding check: {check_padding(hf_model, rng)}; prompts unpadded")
-        prompts = [
-            [rng.randrange(256) for _ in range(args.prompt_tokens)]
-            for _ in range(args.num_requests)
-        ]
         mean = args.mean_output_tokens
         mixes = {
-            "equal": [mean] * len(prompts),
-            "varied": [rng.randint(8, 2 * mean - 8) for _ in prompts],
+            "equal": [mean] * args.num_requests,
+            "varied": [rng.randint(8, 2 * mean - 8) for _ in range(args.num_requests)],
         }
         engines = {
             "cache on": LLM(str(path), max_num_seqs=args.num_requests, cache_memory_gib=0.5),
@@ -141,43 +176,73 @@ def main() -> None:
                 enable_prefix_caching=False,
             ),
         }
-        warm = prompts[:4], [4] * 4
+        warm = [[rng.randrange(256) for _ in range(16)] for _ in range(4)], [4] * 4
         for llm in engines.values():
             run_engine(llm, *warm)
         run_hf(hf_model, *warm, batch_size=4)
         print(
             f"{args.num_requests} requests of {args.prompt_tokens} prompt tokens, greedy; "
-            f"transformers static batches of {args.hf_batch_size}; best of {args.repeats}"
+            f"transformers static batches of {args.hf_batch_size}; {args.repeats} repeats, "
+            "fresh prompts each, sides interleaved"
         )
         for mix, lengths in mixes.items():
-            report_mix(mix, lengths, prompts, hf_model, engines, args)
+            report_mix(mix, lengths, rng, hf_model, engines, args)
 
 
 def report_mix(
     mix: str,
     lengths: list[int],
-    prompts: list[list[int]],
+    rng: random.Random,
     hf_model: Any,
     engines: dict[str, LLM],
     args: argparse.Namespace,
 ) -> None:
+    sides: list[str] = ["transformers", *engines]
+    runs: dict[str, list[Run]] = {side: [] for side in sides}
+    same: dict[str, int] = dict.fromkeys(engines, 0)
+    for i in range(args.repeats):
+        prompts = [
+            [rng.randrange(256) for _ in range(args.prompt_tokens)]
+            for _ in range(args.num_requests)
+        ]
+        shift = i % len(sides)
+        for side in sides[shift:] + sides[:shift]:
+            if side == "transformers":
+                run = run_hf(hf_model, prompts, lengths, args.hf_batch_size)
+            else:
+                run = run_engine(engines[side], prompts, lengths)
+            runs[side].append(run)
+        for label in engines:
+            hf_tokens = runs["transformers"][-1].tokens
+            tokens = runs[label][-1].tokens
+            same[label] += sum(a == b for a, b in zip(tokens, hf_tokens, strict=True))
     useful = sum(lengths)
-    hf_s, hf_tokens = best_of(args.repeats, run_hf, hf_model, prompts, lengths, args.hf_batch_size)
-    hf_rate = useful / hf_s
+    total = args.repeats * len(lengths)
+    hf_runs = runs["transformers"]
     print(f"\noutput lengths {mix} (mean {useful / len(lengths):.1f}, {useful} tokens)")
-    print(f"  {'transformers generate (static)':34s} {hf_rate:8.1f} tok/s  {hf_s:6.2f} s")
-    rates = {}
-    for label, llm in engines.items():
-        seconds, tokens = best_of(args.repeats, run_engine, llm, prompts, lengths)
-        rates[label] = useful / seconds
-        same = sum(a == b for a, b in zip(tokens, hf_tokens, strict=True))
+    print(
+        f"  {'':34s} {'tok/s median [min-max]':>24s} {'vs transformers':>17s} "
+        f"{'steps':>5s} {'computed':>8s} {'cached':>6s} {'preempt':>7s}"
+    )
+    hf_rates = spread([useful / r.seconds for r in hf_runs], "{:.1f}")
+    print(f"  {'transformers generate (static)':34s} {hf_rates:>24s}")
+    for label in engines:
+        rs = runs[label]
+        vs_hf = [h.seconds / r.seconds for r, h in zip(rs, hf_runs, strict=True)]
         print(
-            f"  {'hybridkv engine, ' + label:34s} {rates[label]:8.1f} tok/s  {seconds:6.2f} s"
-            f"  x{rates[label] / hf_rate:.2f} vs transformers;"
-            f" {same}/{len(prompts)} outputs identical to transformers'"
+            f"  {'hybridkv engine, ' + label:34s} "
+            f"{spread([useful / r.seconds for r in rs], '{:.1f}'):>24s} {spread(vs_hf):>17s} "
+            f"{same_in_every_run([r.steps for r in rs]):>5s} "
+            f"{same_in_every_run([r.computed for r in rs]):>8s} "
+            f"{same_in_every_run([r.cached for r in rs]):>6s} "
+            f"{same_in_every_run([r.preemptions for r in rs]):>7s}"
+            f"  {same[label]}/{total} outputs identical to transformers'"
         )
-    ratio = rates["cache on"] / rates["cache off"]
-    print(f"  prefix caching on / off: x{ratio:.2f}")
+    on_off = [
+        off.seconds / on.seconds
+        for on, off in zip(runs["cache on"], runs["cache off"], strict=True)
+    ]
+    print(f"  prefix caching on / off (throughput, per repeat): {spread(on_off)}")
 
 
 if __name__ == "__main__":

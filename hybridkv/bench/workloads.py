@@ -191,10 +191,14 @@ class BenchResult:
     num_preemptions: int
     pages_evicted: int
     replies: dict[str, list[int]] = field(default_factory=dict, repr=False)
+    # per request: seconds and engine steps from submission to first token
+    ttft_s: dict[str, float] = field(default_factory=dict, repr=False)
+    ttft_steps: dict[str, int] = field(default_factory=dict, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        del data["replies"]
+        for per_request in ("replies", "ttft_s", "ttft_steps"):
+            del data[per_request]
         return data
 
 
@@ -283,7 +287,7 @@ def run_workload(
                 if on_finish is not None:
                     on_finish(out)
     elapsed = time.perf_counter() - start
-    steps = [replay.first_token_step[i] - replay.submitted_step[i] for i in replay.finished]
+    steps = {i: replay.first_token_step[i] - replay.submitted_step[i] for i in replay.finished}
     return _result(engine, before, replay.finished, elapsed, replay.step, steps)
 
 
@@ -293,13 +297,18 @@ def _result(
     finished: dict[str, RequestOutput],
     elapsed: float,
     num_steps: int,
-    ttft_steps: list[int],
+    ttft_steps: dict[str, int],
 ) -> BenchResult:
     after = engine.stats()
     outs = list(finished.values())
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    ttfts = [t for o in outs if o.metrics and (t := o.metrics.time_to_first_token) is not None]
+    ttft_by_id = {
+        o.request_id: t
+        for o in outs
+        if o.metrics and (t := o.metrics.time_to_first_token) is not None
+    }
+    ttfts = list(ttft_by_id.values())
     queries = after["prefix_cache_queries"] - before["prefix_cache_queries"]
     hits = after["prefix_cache_hits"] - before["prefix_cache_hits"]
     elapsed = max(elapsed, 1e-9)
@@ -314,13 +323,15 @@ def _result(
         total_tokens_per_s=(prompt_tokens + output_tokens) / elapsed,
         ttft_mean_s=sum(ttfts) / len(ttfts) if ttfts else 0.0,
         ttft_p95_s=percentile(ttfts, 95),
-        ttft_mean_steps=sum(ttft_steps) / len(ttft_steps) if ttft_steps else 0.0,
+        ttft_mean_steps=sum(ttft_steps.values()) / len(ttft_steps) if ttft_steps else 0.0,
         prefix_cache_queries=queries,
         prefix_cache_hits=hits,
         prefix_cache_hit_rate=hits / queries if queries else 0.0,
         num_preemptions=after["num_preemptions"] - before["num_preemptions"],
         pages_evicted=after["pages_evicted"] - before["pages_evicted"],
         replies={o.request_id: list(o.outputs[0].token_ids) for o in outs},
+        ttft_s=ttft_by_id,
+        ttft_steps=dict(ttft_steps),
     )
 
 

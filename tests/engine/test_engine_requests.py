@@ -147,3 +147,22 @@ def test_mamba_ssm_cache_dtype_reaches_the_state_pages(checkpoints: Any, arch: s
     assert len(out.outputs[0].token_ids) == 8
     with pytest.raises(ValueError, match="mamba_ssm_cache_dtype"):
         EngineConfig(model=str(path), mamba_ssm_cache_dtype="fp8")
+
+
+def test_bench_replay_reports_each_requests_first_token(llm: LLM) -> None:
+    """The replay's per-request TTFT (seconds and steps) is what its means are made of,
+    so a benchmark can split first turns from follow-ups."""
+    from hybridkv.bench.workloads import BenchRequest, run_workload
+
+    requests = [
+        BenchRequest(req_id="a", new_token_ids=tuple(range(1, 20)), max_tokens=4),
+        BenchRequest(req_id="b", new_token_ids=tuple(range(5, 30)), max_tokens=3, arrival_step=1),
+        BenchRequest(req_id="a2", new_token_ids=(7, 8, 9), max_tokens=2, after="a"),
+    ]
+    result = run_workload(llm.engine, requests)
+    ids = {r.req_id for r in requests}
+    assert set(result.ttft_s) == ids and set(result.ttft_steps) == ids
+    assert all(s >= 1 for s in result.ttft_steps.values())
+    assert result.ttft_mean_s == pytest.approx(sum(result.ttft_s.values()) / len(ids))
+    assert result.ttft_mean_steps == sum(result.ttft_steps.values()) / len(ids)
+    assert "ttft_s" not in result.to_json() and "replies" not in result.to_json()
