@@ -53,6 +53,37 @@ def test_builtin_groups_are_consistent(name: str) -> None:
     assert all(0 <= layer.layer_index < spec.num_layers for layer in spec.layers)
 
 
+# What ``--mamba-ssm-cache-dtype auto`` gives a bf16 model, family by family: the table in
+# docs/architecture.md ("Recurrent state dtype"), chosen with benchmarks/ssm_state_dtype.py.
+AUTO_SSM_DTYPE = {
+    "qwen3-next-80b-a3b-instruct": "bfloat16",  # GDN, no mamba_ssm_dtype: the model dtype
+    "qwen3.5-0.8b": "bfloat16",
+    "qwen3.5-27b": "float32",  # ships mamba_ssm_dtype float32
+    "qwen3.5-35b-a3b": "float32",  # assumed like the 27B (model_data/ASSUMPTIONS.json)
+    "nemotron-h-8b-base-8k": "float32",  # Nemotron-H: mamba_ssm_cache_dtype, default fp32
+    "nvidia-nemotron-nano-9b-v2": "float32",
+    "bamba-9b": "bfloat16",  # other Mamba2 hybrids: the model dtype
+    "granite-4.0-h-tiny": "bfloat16",
+    "falcon-h1-7b": "bfloat16",
+    "zamba2-7b": "bfloat16",
+    "ai21-jamba-1.5-mini": "bfloat16",  # Mamba1: the model dtype
+    "kimi-linear-48b-a3b-instruct": "float32",  # KDA: always fp32
+    "lfm2-1.2b": None,  # short conv only: no SSM state
+}
+
+
+@pytest.mark.parametrize(("name", "expected"), sorted(AUTO_SSM_DTYPE.items()))
+def test_auto_ssm_state_dtype_per_family(name: str, expected: str | None) -> None:
+    spec = load_model_spec(name, **BF16)  # ssm_dtype None: "auto"
+    state: dict[str, set[str]] = {}
+    for layer in spec.layers:
+        if isinstance(layer.spec, RecurrentStateSpec):
+            for t in layer.spec.tensors:
+                state.setdefault(t.name, set()).add(t.dtype)
+    assert state.get("ssm") == (None if expected is None else {expected})
+    assert state["conv"] == {"bfloat16"}  # the conv state always keeps the model dtype
+
+
 # ----------------------------------------------------------------------------- legacy forms
 
 QWEN_TEXT: dict[str, Any] = {
