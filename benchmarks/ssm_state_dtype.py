@@ -8,7 +8,9 @@ A bf16 model can keep its recurrent (SSM) state in bf16 or in fp32
   Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1, Zamba2 = Mamba2; Jamba = Mamba1; LFM2 =
   short conv) runs on the engine in bf16 with the SSM state in fp32 (the reference) and in
   bf16, greedy, ``--tokens`` tokens after each of ``--prompts`` random prompts (EOS
-  ignored). Printed per family: tokens until the first divergence (median and min over the
+  ignored); with ``--state-shapes real`` (the default) each family's per-head state
+  shape is the published model's (``REAL_STATE_SHAPES``), ``tests`` keeps the tests'
+  smaller ones. Printed per family: tokens until the first divergence (median and min over the
   prompts), the fraction of positions with the same token, and how many prompts agree to
   the end. For scale, the same columns for the fp32 model (fp32 everything) against the
   same reference: what bf16 weights alone change. Only the SSM state changes dtype (the
@@ -58,6 +60,21 @@ FAMILY_OF = {
     "zamba2": "Mamba2",
     "jamba": "Mamba1",
     "lfm2": "short conv",
+}
+# --state-shapes real: each family's published per-head state shape (GDN k/v head dims of
+# Qwen3-Next; d_state of Nemotron-H, Bamba, Granite-4.0-H, Falcon-H1-7B, Zamba2, Jamba;
+# Nemotron-H's head dim) on the tiny models' few heads and hidden size 64: the dimensions a
+# state's update and read-out sum over, where its rounding error grows.
+REAL_STATE_SHAPES: dict[str, dict[str, int]] = {
+    "qwen3_next": {"linear_key_head_dim": 128, "linear_value_head_dim": 128},
+    "qwen3_5_text": {"linear_key_head_dim": 128, "linear_value_head_dim": 128},
+    "nemotron_h": {"mamba_head_dim": 64, "ssm_state_size": 128},
+    "bamba": {"mamba_d_state": 128},
+    "granitemoehybrid": {"mamba_d_state": 128},
+    "falcon_h1": {"mamba_d_state": 256},
+    "zamba2": {"mamba_d_state": 64},
+    "jamba": {"mamba_d_state": 16},
+    "lfm2": {},
 }
 CAPACITY_CONFIGS = [
     "qwen3-next-80b-a3b-instruct",
@@ -119,13 +136,14 @@ def auto_ssm_dtype(path: Path) -> str:
 def report_agreement(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT / "tests" / "models"))
     sys.path.insert(0, str(ROOT / "tests" / "engine"))
-    from engine_checkpoints import build_checkpoint
+    import engine_checkpoints
 
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(256) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
     print(
         f"\ngreedy agreement with the bf16 model + fp32 SSM state, {args.prompts} prompts of "
-        f"{args.prompt_tokens} random tokens, {args.tokens} tokens each"
+        f"{args.prompt_tokens} random tokens, {args.tokens} tokens each; state shapes: "
+        f"{args.state_shapes}"
     )
     print(
         f"  {'model (family)':30s} {'auto':>8s} | "
@@ -135,7 +153,12 @@ def report_agreement(args: argparse.Namespace) -> None:
         for arch in args.archs:
             path = Path(tmp) / arch
             path.mkdir()
-            build_checkpoint(arch, path)
+            if args.state_shapes == "real":  # build_checkpoint reads its module's CONFIGS
+                engine_checkpoints.CONFIGS[arch] = {
+                    **engine_checkpoints.CONFIGS[arch],
+                    **REAL_STATE_SHAPES[arch],
+                }
+            engine_checkpoints.build_checkpoint(arch, path)
             reference = greedy(path, "bfloat16", "float32", prompts, args.tokens)
             bf16_state = greedy(path, "bfloat16", "bfloat16", prompts, args.tokens)
             fp32_model = greedy(path, "float32", "float32", prompts, args.tokens)
@@ -196,6 +219,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="greedy tokens per prompt")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument(
+        "--state-shapes",
+        choices=("real", "tests"),
+        default="real",
+        help="per-head state dims: the published models' or the test suite's tiny ones",
+    )
     parser.add_argument("--archs", nargs="+", default=list(FAMILY_OF), choices=list(FAMILY_OF))
     parser.add_argument("--configs", nargs="+", default=CAPACITY_CONFIGS, help="built-in names")
     parser.add_argument("--memory-gib", type=float, default=16.0)
