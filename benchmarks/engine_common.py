@@ -18,12 +18,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_tiny_checkpoint(model_dir: Path, model_type: str = "qwen3_5_text") -> tuple[Any, Path]:
-    """(transformers model, checkpoint dir) of the tests' tiny random ``model_type``."""
+def build_tiny_checkpoint(
+    model_dir: Path, model_type: str = "qwen3_5_text", **overrides: Any
+) -> tuple[Any, Path]:
+    """(transformers model, checkpoint dir) of the tests' tiny random ``model_type``, with
+    ``overrides`` of its config."""
     sys.path.insert(0, str(ROOT / "tests" / "models"))
     from tiny import make_hf_model, save_checkpoint
 
-    model = make_hf_model(model_type)
+    model = make_hf_model(model_type, **overrides)
     return model, save_checkpoint(model, model_dir)
 
 

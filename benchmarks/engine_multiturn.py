@@ -181,6 +181,12 @@ def main() -> None:
     parser.add_argument("--memory-gib", type=float, default=0.25, help="the roomy cache")
     parser.add_argument("--small-memory-gib", type=float, default=0.003, help="the tight cache")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--hidden-size",
+        type=int,
+        default=64,
+        help="the tiny model's hidden size (MLP 1.5x); 64: the tests' model",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="rounds over the grid")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -194,10 +200,13 @@ def main() -> None:
     settings = [SETTINGS[i] for i in picked]
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        hf_model, path = build_tiny_checkpoint(Path(tmp))
+        scale = args.hidden_size / 64  # the tests' model: hidden 64, MLP 96
+        overrides = {"hidden_size": args.hidden_size, "intermediate_size": round(96 * scale)}
+        hf_model, path = build_tiny_checkpoint(Path(tmp), **overrides)
         requests = chat_requests(args, int(hf_model.config.vocab_size))
         del hf_model
         print(f"machine: {machine_line()}")
+        print(f"model: tiny Qwen3.5, hidden {args.hidden_size}")
         print(
             f"chat: {args.conversations} conversations x {args.turns} turns behind a "
             f"{args.system_tokens}-token system prompt, ~96-token messages, ~48-token greedy "
