@@ -3,7 +3,7 @@
 No data is downloaded or shipped as a file: a seeded generator writes a few tens of KB of
 short stories and user/assistant exchanges about colours, animals, sums, opposites, days and
 capitals. The facts are fixed tables, so every sample states them the same way and a model
-of a million parameters trained for a minute can pick up both the chat format and some of
+of a million parameters trained for some CPU-minutes can pick up both the chat format and
 the answers. A different seed gives different samples of the same distribution, which the
 tests use as held-out text.
 """
@@ -11,9 +11,11 @@ tests use as held-out text.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
+T = TypeVar("T")
 Message = dict[str, str]  # {"role": "system" | "user" | "assistant", "content": ...}
 
 
@@ -132,59 +134,93 @@ def _story(rng: random.Random) -> str:
     return " ".join(sentences)
 
 
-def _fact(rng: random.Random) -> tuple[str, str]:
-    """One question and its answer, from one of the fact tables."""
-    kind = rng.randrange(8)
-    if kind == 0:
-        thing = rng.choice(sorted(COLORS))
+class _Dealer:
+    """The corpus's random choices; a fact table's entries are dealt like cards.
+
+    Each table is a deck, shuffled and dealt to the end before it is shuffled again, so
+    every fact is asked equally often (within one round). Drawn independently, the
+    counts of a small corpus scatter widely: with ``random.choice`` the shipped v2 corpus
+    asked the capital of Germany 12 times and that of France 8, and the model trained on
+    it answered "What is the capital of France?" with Germany's capital.
+    """
+
+    def __init__(self, rng: random.Random) -> None:
+        self.rng = rng
+        self._decks: dict[str, list[Any]] = {}
+
+    def deal(self, deck: str, cards: Sequence[T]) -> T:
+        """The next card of ``deck`` (``cards`` in a fresh shuffled order once it runs out)."""
+        left = self._decks.get(deck)
+        if not left:
+            left = self._decks[deck] = list(cards)
+            self.rng.shuffle(left)
+        return left.pop()
+
+
+# Capitals are dealt twice as often as the other kinds: answering one means copying the
+# country from the question and recalling its capital, which the model learnt last. The v2
+# recipe (600 steps, capitals as often as colours) answered 8 of the 10 capitals right,
+# asked alone; balanced decks alone, 5 of 10 (3 of 10 after the demo's first three turns).
+FACT_KINDS = ("color", "animal", "animal", "sum", "opposite", "day", "capital", "capital", "count")
+ANIMAL_QUESTIONS = ("say", "live", "eat")
+
+
+def _fact(dealer: _Dealer) -> tuple[str, str]:
+    """One question and its answer, dealt from the fact tables."""
+    kind = dealer.deal("kind", FACT_KINDS)
+    if kind == "color":
+        thing = dealer.deal(kind, sorted(COLORS))
         return f"What color is the {thing}?", f"The {thing} is {COLORS[thing]}."
-    if kind in (1, 2):
-        animal = rng.choice(sorted(ANIMALS))
-        sound, home, food = ANIMALS[animal]
-        return rng.choice(
-            [
-                (f"What does a {animal} say?", f'A {animal} says "{sound}".'),
-                (f"Where does a {animal} live?", f"A {animal} lives {home}."),
-                (f"What does a {animal} eat?", f"A {animal} eats {food}."),
-            ]
+    if kind == "animal":
+        animal, question = dealer.deal(
+            kind, [(a, q) for a in sorted(ANIMALS) for q in ANIMAL_QUESTIONS]
         )
-    if kind == 3:
-        a, b = rng.randrange(10), rng.randrange(10)
+        sound, home, food = ANIMALS[animal]
+        if question == "say":
+            return f"What does a {animal} say?", f'A {animal} says "{sound}".'
+        if question == "live":
+            return f"Where does a {animal} live?", f"A {animal} lives {home}."
+        return f"What does a {animal} eat?", f"A {animal} eats {food}."
+    if kind == "sum":
+        a, b = dealer.deal(kind, [(a, b) for a in range(10) for b in range(10)])
         return f"What is {a} plus {b}?", f"{a} plus {b} is {a + b}."
-    if kind == 4:
-        word = rng.choice(sorted(OPPOSITES))
+    if kind == "opposite":
+        word = dealer.deal(kind, sorted(OPPOSITES))
         return f"What is the opposite of {word}?", f"The opposite of {word} is {OPPOSITES[word]}."
-    if kind == 5:
-        i = rng.randrange(7)
+    if kind == "day":
+        i = dealer.deal(kind, range(7))
         return f"What day comes after {DAYS[i]}?", f"After {DAYS[i]} comes {DAYS[(i + 1) % 7]}."
-    if kind == 6:
-        country = rng.choice(sorted(CAPITALS))
+    if kind == "capital":
+        country = dealer.deal(kind, sorted(CAPITALS))
         return (
             f"What is the capital of {country}?",
             f"The capital of {country} is {CAPITALS[country]}.",
         )
-    n = rng.randrange(3, 10)
+    n = dealer.deal(kind, range(3, 10))
     return f"Count to {NUMBER_WORDS[n]}.", ", ".join(str(i) for i in range(1, n + 1)) + "."
 
 
-def _exchange(rng: random.Random) -> tuple[str, str]:
+def _exchange(dealer: _Dealer) -> tuple[str, str]:
     """One user turn and the assistant's reply: small talk, a fact or a story."""
+    rng = dealer.rng
     roll = rng.random()
     if roll < 0.2:
         prompts, replies = rng.choice(SMALL_TALK)
         return rng.choice(prompts), rng.choice(replies)
     if roll < 0.3:
         return rng.choice(["Tell me a story.", "Can you tell me a short story?"]), _story(rng)
-    return _fact(rng)
+    return _fact(dealer)
 
 
-def _chat(rng: random.Random) -> tuple[Message, ...]:
-    """One to three exchanges, sometimes after a system prompt."""
+def _chat(dealer: _Dealer) -> tuple[Message, ...]:
+    """One to five exchanges, sometimes after a system prompt: the demo asks its five
+    questions in one conversation (v2's chats had at most three exchanges)."""
+    rng = dealer.rng
     messages: list[Message] = []
     if rng.random() < 0.25:
         messages.append({"role": "system", "content": SYSTEM_PROMPT})
-    for _ in range(rng.choice([1, 1, 2, 3])):
-        question, answer = _exchange(rng)
+    for _ in range(rng.choice([1, 1, 2, 3, 4, 5])):
+        question, answer = _exchange(dealer)
         messages.append({"role": "user", "content": question})
         messages.append({"role": "assistant", "content": answer})
     return tuple(messages)
@@ -193,11 +229,12 @@ def _chat(rng: random.Random) -> tuple[Message, ...]:
 def documents(seed: int = 0, num_chars: int = 60_000) -> list[Document]:
     """Stories and chats until about ``num_chars`` characters; the same seed, the same list."""
     rng = random.Random(seed)
+    dealer = _Dealer(rng)
     # A story is five times as long as a chat: one in eight documents keeps chats the
     # larger share of tokens, which is what the demo is used for.
     makers: list[Callable[[], Document]] = [
         lambda: Document(text=_story(rng)),
-        *[lambda: Document(messages=_chat(rng))] * 7,
+        *[lambda: Document(messages=_chat(dealer))] * 7,
     ]
     docs: list[Document] = []
     total = 0

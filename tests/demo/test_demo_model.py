@@ -13,8 +13,10 @@ import fnmatch
 import hashlib
 import itertools
 import json
+import re
 import string
 import tomllib
+from collections import Counter
 from dataclasses import asdict
 from pathlib import Path
 
@@ -37,7 +39,7 @@ from hybridkv.demo.build import (
     build_demo_model,
     demo_model_dir,
 )
-from hybridkv.demo.corpus import documents
+from hybridkv.demo.corpus import CAPITALS, COLORS, OPPOSITES, documents
 from hybridkv.models.loader import LoadedModel, load_model
 from tests.models.paged_runner import PagedRunner
 
@@ -48,11 +50,6 @@ EXPECTED_REPLIES = {
     "What is the capital of France?": ["The capital of France is Paris."],
     "Hello!": ["Hello! How can I help you today?", "Hi! What would you like to talk about?"],
     "Thank you!": ["You are welcome!", "Happy to help."],
-}
-# Questions the shipped checkpoint answers wrongly (an xfail, strict: a checkpoint that gets
-# them right fails here until the entry goes). 600 steps of the recipe mix up the capitals.
-KNOWN_WRONG = {
-    "What is the capital of France?": "600 steps answer 'The capital of Germany is Berlin.'",
 }
 
 
@@ -160,15 +157,7 @@ def script_replies() -> dict[str, tuple[str, str | None]]:
     return replies
 
 
-@pytest.mark.parametrize(
-    "question",
-    [
-        pytest.param(q, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[q]))
-        if q in KNOWN_WRONG
-        else q
-        for q in SCRIPT
-    ],
-)
+@pytest.mark.parametrize("question", SCRIPT)
 def test_shipped_model_answers_the_demo_script(
     script_replies: dict[str, tuple[str, str | None]], question: str
 ) -> None:
@@ -188,43 +177,63 @@ def test_hybridkv_demo_shows_capacity_cache_reuse_and_ttft(
     assert len(turns) == len(SCRIPT)
     cached = [int(line.split(", ")[1].split()[0]) for line in turns]
     assert cached[0] == 0 and all(a < b for a, b in itertools.pairwise(cached))
-    assert all("with caching" in t and "without (same reply)" in t for t in turns)
+    timings = [line for line in out.splitlines() if "first token after" in line]
+    assert len(timings) == len(SCRIPT)
+    for line in timings:
+        assert "with caching" in line and "without (same reply)" in line, line
+        assert "medians of 3 interleaved runs, each from the same cache state" in line, line
     for question, replies in EXPECTED_REPLIES.items():
-        assert any(r in out for r in replies) or question in KNOWN_WRONG, question
+        assert any(r in out for r in replies), question
 
 
-def test_hybridkv_demo_warms_both_engines_alike_before_timing(
+def test_hybridkv_demo_times_each_turn_from_the_same_cache_state(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Caching on and off are timed on equal terms: each engine gets the same warm-up
-    before the first timed turn (warming only the caching-off engine made caching look
-    slower), and the running totals count the scripted turns only."""
+    """Caching on and off are timed on equal terms: both engines get the same warm-up;
+    each turn's first token is timed --repeats times on each, interleaved, and before each
+    caching-on run the cache is reset and the previous turn replayed, so every run finds
+    the cache as the turn did (the same cached prefix); the real turn then runs from that
+    state too, and the running totals count the scripted turns only."""
     import hybridkv.cli.demo as demo_cli
+    from hybridkv.engine import LLMEngine
 
-    calls: list[tuple[int, bool, int, list[int]]] = []
-    reply = demo_cli._reply
+    calls: list[tuple] = []
+    reply, reset = demo_cli._reply, LLMEngine.reset_prefix_cache
 
     def recording(engine, prompt, params, stream=True):  # type: ignore[no-untyped-def]
-        calls.append(
-            (
-                id(engine),
-                engine.config.enable_prefix_caching,
-                params.max_tokens,
-                list(prompt["prompt_token_ids"]),
-            )
-        )
+        ids = tuple(prompt["prompt_token_ids"])
+        calls.append(("reply", engine.config.enable_prefix_caching, params.max_tokens, ids))
         return reply(engine, prompt, params, stream)
 
+    def recording_reset(engine: LLMEngine) -> bool:
+        assert engine.config.enable_prefix_caching
+        calls.append(("reset",))
+        return reset(engine)
+
     monkeypatch.setattr(demo_cli, "_reply", recording)
-    assert main(["demo", "--cache-memory-gib", "0.05", "--max-tokens", "4"]) == 0
-    warm_ups, timed = calls[:2], calls[2:]
+    monkeypatch.setattr(LLMEngine, "reset_prefix_cache", recording_reset)
+    argv = ["demo", "--cache-memory-gib", "0.05", "--max-tokens", "4", "--repeats", "2"]
+    assert main(argv) == 0
+    warm_ups, turns = calls[:2], calls[2:]
     assert {caching for _, caching, _, _ in warm_ups} == {True, False}
-    assert len({engine for engine, *_ in warm_ups}) == 2
     assert warm_ups[0][2:] == warm_ups[1][2:] and warm_ups[0][2] == 1  # the same warm-up
-    assert len(timed) == 2 * len(SCRIPT) and all(m == 4 for _, _, m, _ in timed)
-    assert {engine for engine, *_ in timed} == {engine for engine, *_ in warm_ups}
-    first = next(line for line in capsys.readouterr().out.splitlines() if "all turns:" in line)
-    assert f"all turns: 0/{len(timed[0][3])} prompt tokens hit" in first, first
+    prompts = list(dict.fromkeys(c[3] for c in turns if c[0] == "reply" and c[2] == 1))
+    assert len(prompts) == len(SCRIPT)
+    expected: list[tuple] = []
+    for k, prompt in enumerate(prompts):
+        replay = [("reset",)] + ([("reply", True, 4, prompts[k - 1])] if k else [])
+        timed = [("reply", True, 1, prompt), ("reply", False, 1, prompt)]
+        expected += (replay + timed) * 2 + replay
+        expected += [("reply", True, 4, prompt), ("reply", False, 4, prompt)]
+    assert turns == expected
+    out = capsys.readouterr().out
+    timings = [line for line in out.splitlines() if "first token after" in line]
+    assert len(timings) == len(SCRIPT)
+    assert all(
+        "medians of 2 interleaved runs, each from the same cache state" in t for t in timings
+    )
+    first = next(line for line in out.splitlines() if "all turns:" in line)
+    assert f"all turns: 0/{len(prompts[0])} prompt tokens hit" in first, first
 
 
 # ---------------------------------------------------------------------- building variants
@@ -265,6 +274,29 @@ def test_interrupted_build_leaves_no_directory(
     path = build_demo_model(tmp_path, progress=False, num_steps=0)
     assert is_complete(path)
     assert not list(tmp_path.glob("*.tmp-*"))
+
+
+def test_corpus_asks_every_fact_equally_often() -> None:
+    """Fact tables are dealt like cards (v2 drew them independently: Germany's capital was
+    asked 12 times, France's 8, and the model answered France with Berlin)."""
+    asked: dict[str, list[str]] = {"capital": [], "color": [], "opposite": []}
+    patterns = {
+        "capital": r"What is the capital of (\w+)\?",
+        "color": r"What color is the (\w+)\?",
+        "opposite": r"What is the opposite of (\w+)\?",
+    }
+    for doc in documents(DemoRecipe().seed, DemoRecipe().corpus_chars):
+        for message in doc.messages:
+            for kind, pattern in patterns.items():
+                if message["role"] == "user" and (m := re.fullmatch(pattern, message["content"])):
+                    asked[kind].append(m[1])
+    tables = {"capital": CAPITALS, "color": COLORS, "opposite": OPPOSITES}
+    for kind, table in tables.items():
+        counts = Counter(asked[kind])
+        assert counts.keys() == table.keys(), kind
+        assert max(counts.values()) - min(counts.values()) <= 1, (kind, counts)
+    assert len(asked["capital"]) > 1.5 * len(asked["color"])  # capitals dealt twice as often
+    assert max(len(d.messages) for d in documents(0, 20_000)) >= 10  # five-exchange chats
 
 
 def test_tokenizer_training_is_deterministic() -> None:
