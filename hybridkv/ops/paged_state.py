@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from hybridkv.ops.row_copy import index_copy_rows, index_select_rows
 from hybridkv.ops.state_layouts import (
     ChunkLayout,
     ConvBlock,
@@ -181,7 +182,7 @@ class StateBatch:
         """Captures at a request's last row: copy its final state page (after the op wrote it)."""
         if self.final_captures is not None:
             src, dst = self.final_captures
-            view.index_copy_(0, dst, view.index_select(0, src))
+            index_copy_rows(view, dst, view.index_select(0, src))
 
 
 def read_states(view: Tensor, pages: Tensor, fresh: Tensor | None, name: str) -> Tensor:
@@ -192,10 +193,10 @@ def read_states(view: Tensor, pages: Tensor, fresh: Tensor | None, name: str) ->
     shape = (pages.numel(), *view.shape[1:])
     states = WORKSPACE.get(name, shape, torch.float32, view.device)
     if view.dtype == torch.float32:
-        torch.index_select(view, 0, pages, out=states)
+        index_select_rows(view, pages, states)
     else:
         raw = WORKSPACE.get(name + ".page", shape, view.dtype, view.device)
-        torch.index_select(view, 0, pages, out=raw)
+        index_select_rows(view, pages, raw)
         states.copy_(raw)
     if fresh is not None:
         states.masked_fill_(fresh.view(-1, *[1] * (states.dim() - 1)), 0.0)
@@ -208,7 +209,7 @@ def write_states(view: Tensor, pages: Tensor, states: Tensor, name: str) -> None
         raw = WORKSPACE.get(name + ".page", tuple(states.shape), view.dtype, view.device)
         raw.copy_(states)
         states = raw
-    view.index_copy_(0, pages, states)
+    index_copy_rows(view, pages, states)
 
 
 # (rows of one request, its fp32 initial state or None for zeros) -> (y, final state)

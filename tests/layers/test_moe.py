@@ -120,6 +120,42 @@ def test_grouped_experts_equal_the_loop(
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("num_tokens", "padded"), [(1, False), (4, True), (64, True), (400, False)]
+)
+def test_padded_experts_equal_the_loop(dtype: torch.dtype, num_tokens: int, padded: bool) -> None:
+    """Decode-sized batches take the padded bmm layout (zeros in the unused rows), large
+    ones and T=1 the grouped one; both equal the per-expert loop bit for bit in bf16/fp16."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    grouped = GroupedExperts(8, 64, 32, activation("silu")).to(dtype)
+    for p in grouped.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    x = torch.randn(num_tokens, 64, generator=gen).to(dtype)
+    experts = torch.rand(num_tokens, 8, generator=gen).topk(2, dim=-1).indices
+    weights = torch.rand(num_tokens, 2, generator=gen).to(dtype)
+    routing = ExpertRouting(experts, 8)
+    assert routing.use_padded() is padded
+    if padded:
+        slots = routing.padded_slots
+        assert slots.unique().numel() == routing.num_rows  # one slot per row
+        assert int(slots.max()) < 8 * routing.capacity
+    with torch.no_grad():
+        ours = moe_forward(x, weights, experts, grouped)
+        ref = loop_reference(x, weights, experts, reference_expert(grouped), dtype)
+    assert torch.equal(ours, ref)
+
+
+def test_fp32_experts_keep_the_grouped_layout() -> None:
+    """fp32 bmm rows differ from F.linear's in the last bits (MKL), so fp32 never pads."""
+    grouped = GroupedExperts(8, 64, 32, activation("silu"))
+    x = torch.randn(64, 64)
+    with torch.no_grad():
+        assert not grouped._padded_ok(x)
+        assert grouped.to(torch.bfloat16)._padded_ok(x.to(torch.bfloat16))
+    assert not grouped._padded_ok(x.to(torch.bfloat16))  # autograd records: grouped path
+
+
 def test_routing_layout() -> None:
     """Rows grouped by expert (token order inside), offsets at group ends, combine rows."""
     experts = torch.tensor([[2, 0], [0, 3], [3, 2]])

@@ -22,6 +22,7 @@ from hybridkv.ops.paged_state import (
     scan_each_request,
     write_states,
 )
+from hybridkv.ops.row_copy import index_copy_rows
 from hybridkv.ops.state_layouts import ConvBlock
 from hybridkv.ops.workspace import WORKSPACE
 
@@ -79,8 +80,8 @@ def _conv_block(
     channels, keep = x.shape[1], taps.shape[0] - 1
     ext = WORKSPACE.get("conv.ext", (block.ext_tokens, channels), torch.float32, x.device)
     carried = read_states(conv_pages, pages, fresh, "conv.state")  # [Rb, C, K-1]
-    ext.index_copy_(0, block.state_rows, carried.transpose(1, 2).reshape(-1, channels))
-    ext.index_copy_(0, block.x_rows, x.float())
+    index_copy_rows(ext, block.state_rows, carried.transpose(1, 2).reshape(-1, channels))
+    index_copy_rows(ext, block.x_rows, x.float())
 
     # acc[j] = bias + sum_k w[:, k] * ext[j + k]: the window of the row at ext row j + K-1
     windows = block.ext_tokens - keep

@@ -9,10 +9,12 @@ ragged batches in a NaN arena.
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from hybridkv.ops.paged_attention.plan import AttentionPlan, DecodeBatch, KeyGather, PrefillBatch
+from hybridkv.ops.row_copy import index_select_rows
 
 
 def store_kv(
@@ -45,9 +47,33 @@ def paged_attention(
     return out
 
 
-def _gather(cache: Tensor, keys: KeyGather, dtype: object) -> Tensor:
+def _gather(cache: Tensor, keys: KeyGather, dtype: torch.dtype) -> Tensor:
     """[n, Lk, Hkv, d] -> [n, Hkv, Lk, d] in the query dtype."""
-    return cache[keys.pages, keys.slots].to(dtype).transpose(1, 2)
+    slots = _slot_rows(cache)
+    if slots is None:
+        gathered = cache[keys.pages, keys.slots]
+    else:  # one index_select over slot rows: per row, not per element (ops/row_copy.py)
+        rows, per_page = slots
+        index = (keys.pages * per_page + keys.slots).view(-1)
+        gathered = cache.new_empty(index.numel(), *cache.shape[2:])
+        index_select_rows(rows, index, gathered)
+        gathered = gathered.view(*keys.pages.shape, *cache.shape[2:])
+    return gathered.to(dtype).transpose(1, 2)
+
+
+def _slot_rows(cache: Tensor) -> tuple[Tensor, int] | None:
+    """The cache [P, B, Hkv, d] seen as one row per page slot [(P-1)*s + B, Hkv, d] (slot
+    ``b`` of page ``p`` is row ``p * s + b``), or None when the page stride is not a
+    whole number of slot strides."""
+    page_stride, slot_stride = cache.stride(0), cache.stride(1)
+    if slot_stride <= 0 or page_stride % slot_stride or cache.shape[0] == 0:
+        return None
+    per_page = page_stride // slot_stride
+    num_rows = (cache.shape[0] - 1) * per_page + cache.shape[1]
+    rows = cache.as_strided(
+        (num_rows, *cache.shape[2:]), (slot_stride, *cache.stride()[2:]), cache.storage_offset()
+    )
+    return rows, per_page
 
 
 def _decode(

@@ -1,0 +1,97 @@
+"""Row gathers/scatters as 16-byte words (ops/row_copy.py) and the paged-attention slot gather.
+
+Each fast path must move exactly the bytes of the plain op (NaN payloads included) on the
+page-strided views the engine uses (a layer's tensor in every page of a byte arena), and
+fall back to the plain op wherever rows are not whole 16-byte words.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hybridkv.ops.paged_attention.batched import _gather, _slot_rows
+from hybridkv.ops.paged_attention.plan import KeyGather
+from hybridkv.ops.row_copy import _wide_rows, index_copy_rows, index_select_rows
+
+NUM_PAGES = 9
+
+
+def page_view(
+    shape: tuple[int, ...], dtype: torch.dtype, page_bytes: int, offset: int
+) -> torch.Tensor:
+    """[NUM_PAGES, *shape] view of one slot at ``offset`` bytes in pages of ``page_bytes``
+    of a random byte arena (NaNs and all), as hybridkv.forward.views lays them out."""
+    gen = torch.Generator().manual_seed(page_bytes + offset)
+    arena = torch.randint(0, 256, (NUM_PAGES * page_bytes,), dtype=torch.uint8, generator=gen)
+    typed = arena.view(dtype)
+    elem = typed.element_size()
+    inner = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        inner[i] = inner[i + 1] * shape[i + 1]
+    return typed.as_strided(
+        (NUM_PAGES, *shape), (page_bytes // elem, *inner), typed.storage_offset() + offset // elem
+    )
+
+
+def bits(x: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes, so that NaN payloads compare too."""
+    return x.contiguous().view(torch.uint8)
+
+
+CASES = [  # (row shape, dtype, page bytes, slot offset, takes the 16-byte path)
+    ((8, 4, 4), torch.bfloat16, 1024, 256, True),  # GDN-like state, bf16
+    ((8, 4, 4), torch.float32, 2048, 512, True),
+    ((6, 3), torch.float32, 256, 16, False),  # conv-like [C, K-1]: 72-byte rows
+    ((4, 4), torch.float32, 200, 8, False),  # page stride not a multiple of 16 bytes
+]
+
+
+@pytest.mark.parametrize(("shape", "dtype", "page_bytes", "offset", "wide"), CASES)
+def test_index_copy_rows_moves_the_bytes_of_index_copy(
+    shape: tuple[int, ...], dtype: torch.dtype, page_bytes: int, offset: int, wide: bool
+) -> None:
+    view = page_view(shape, dtype, page_bytes, offset)
+    assert (_wide_rows(view) is not None) is wide
+    pages = torch.tensor([7, 2, 5])
+    src = page_view(shape, dtype, page_bytes, offset + 64)[:3].contiguous()
+    expected = view.clone().index_copy_(0, pages, src)
+    index_copy_rows(view, pages, src)
+    assert torch.equal(bits(view), bits(expected))
+
+
+@pytest.mark.parametrize(("shape", "dtype", "page_bytes", "offset", "wide"), CASES)
+def test_index_select_rows_moves_the_bytes_of_index_select(
+    shape: tuple[int, ...], dtype: torch.dtype, page_bytes: int, offset: int, wide: bool
+) -> None:
+    view = page_view(shape, dtype, page_bytes, offset)
+    pages = torch.tensor([3, 0, 8, 3])
+    out = torch.empty(4, *shape, dtype=dtype)
+    index_select_rows(view, pages, out)
+    assert torch.equal(bits(out), bits(view.index_select(0, pages)))
+
+
+def test_index_copy_rows_on_an_overlapping_source_takes_the_plain_op() -> None:
+    view = page_view((8, 4, 4), torch.bfloat16, 1024, 0)
+    expected = view.clone()
+    expected.index_copy_(0, torch.tensor([1]), expected[4:5].clone())
+    index_copy_rows(view, torch.tensor([1]), view[4:5])
+    assert torch.equal(bits(view), bits(expected))
+
+
+@pytest.mark.parametrize(
+    ("page_bytes", "dtype", "fast"),
+    [(4096, torch.bfloat16, True), (4096, torch.float32, True), (4100, torch.float32, False)],
+)
+def test_attention_gather_by_slot_rows_equals_advanced_indexing(
+    page_bytes: int, dtype: torch.dtype, fast: bool
+) -> None:
+    """K/V pages [P, block, Hkv, D] inside bigger pages: the slot-row gather reads the same
+    slots (page-strided as in the engine, NaN bytes in the arena) as cache[pages, slots]."""
+    cache = page_view((4, 2, 8), dtype, page_bytes, 128)
+    assert (_slot_rows(cache) is not None) is fast
+    gen = torch.Generator().manual_seed(3)
+    pages = torch.randint(0, NUM_PAGES, (3, 5), generator=gen)
+    slots = torch.randint(0, 4, (3, 5), generator=gen)
+    got = _gather(cache, KeyGather(pages, slots, None), dtype)
+    assert torch.equal(bits(got), bits(cache[pages, slots].transpose(1, 2)))
