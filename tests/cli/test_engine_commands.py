@@ -186,6 +186,26 @@ def test_demo_with_model_override_shows_growing_hits(
     assert all(a < b for a, b in itertools.pairwise(cached))
 
 
+def test_demo_without_compare_times_one_run_and_never_resets(
+    model_dir: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--no-compare: no caching-off engine, so no repeats and no cache reset: one timing
+    per turn, said to be one run. --repeats below 1 is a one-line error."""
+    from hybridkv.engine import LLMEngine
+
+    def no_reset(engine: LLMEngine) -> bool:
+        raise AssertionError("--no-compare reset the prefix cache")
+
+    monkeypatch.setattr(LLMEngine, "reset_prefix_cache", no_reset)
+    argv = ["demo", "--model", model_dir, *SMALL_CACHE, "--max-tokens", "4", "--no-compare"]
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    timings = [line for line in out.splitlines() if "first token after" in line]
+    assert len(timings) == 5 and all(line.endswith("ms (one run)") for line in timings)
+    code, _, err = run(capsys, "demo", "--model", model_dir, *SMALL_CACHE, "--repeats", "0")
+    assert_one_line_error(code, err, "--repeats must be >= 1, not 0")
+
+
 def test_no_model_uses_the_shipped_demo_model(capsys: pytest.CaptureFixture[str]) -> None:
     from hybridkv.demo import SHIPPED_DIR
 
