@@ -10,6 +10,10 @@ block that ends there. Let P be the prompt length and B the block size::
                      shares with what is        behind a system prompt takes it, the
                      cached or running          third and later hit it (the manager finds
                                                 it at admission, :meth:`CacheManager.allocate`)
+    prefill grid     about every                a long prompt's state every 4096 tokens
+                     ``prefill_grid_tokens``    (floored to a block boundary): the first
+                     of the prompt              request of a family cannot know that a
+                                                later one will branch off its prefix
     interval         every ``interval_tokens``  dense grid, off by default
     sequence end     each boundary crossed in   the next chat turn resumes here; only
                      decode                     the latest survives unless retained
@@ -21,9 +25,10 @@ chunks at each position and copies the state after the forward (the engine befor
 in-forward captures, and the simulator's ``hybridkv-prompt-end`` design).
 
 Retention (``retention_interval_tokens``): once a newer snapshot of the same request
-exists, an older one is kept only if it is the prompt end, the branch point or sits on
-a multiple of the retention interval. Dense snapshots evict the attention prefixes they
-belong to (vLLM PR #45845: ~80% of blocks at block size 128), so sparse is the default.
+exists, an older one is kept only if it is the prompt end, the branch point, a prefill
+grid point or sits on a multiple of the retention interval. Dense snapshots evict the
+attention prefixes they belong to (vLLM PR #45845: ~80% of blocks at block size 128), so
+sparse is the default.
 
 What a request *holds* is separate from what the cache keeps: by default only its live
 state and its newest snapshot (the ``release_*``, ``reuse_*`` and ``demote_*`` knobs; why
@@ -38,6 +43,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True, kw_only=True, slots=True)
 class CheckpointPolicy:
     interval_tokens: int | None = None
+    # a prompt's state about every N tokens of its prefill (each grid point floored to a
+    # block boundary; None: off). A request that arrives while its prefix's first user
+    # is still running, or after it, has no branch point snapshot to resume from (it is
+    # taken by the second request); the grid gives it one near the shared prefix's end
+    # for a state page per N tokens. issue 12, docs/architecture.md §3
+    prefill_grid_tokens: int | None = 4096
     at_prompt_end: bool = True
     at_sequence_end: bool = True
     # snapshot where the prompt's shared prefix ends when no snapshot covers it yet
@@ -63,6 +74,9 @@ class CheckpointPolicy:
 
     def validate(self, block_tokens: int) -> None:
         """Raises ValueError for intervals that are not positive multiples of the block."""
+        grid = self.prefill_grid_tokens
+        if grid is not None and grid <= 0:  # any positive N: its points floor to blocks
+            raise ValueError(f"checkpoint prefill_grid_tokens={grid} must be positive")
         for name in ("interval_tokens", "retention_interval_tokens", "decode_interval_tokens"):
             value = getattr(self, name)
             if value is not None and (value <= 0 or value % block_tokens):
@@ -70,6 +84,10 @@ class CheckpointPolicy:
                     f"checkpoint {name}={value} must be a positive multiple of the "
                     f"block size {block_tokens}"
                 )
+
+    def on_prefill_grid(self, position: int, block_tokens: int) -> bool:
+        grid = self.prefill_grid_tokens
+        return grid is not None and _grid_point(position, grid, block_tokens)
 
     @staticmethod
     def prompt_end(prompt_len: int, block_tokens: int) -> int:
@@ -85,6 +103,8 @@ class CheckpointPolicy:
         if self.interval_tokens and position % self.interval_tokens == 0:
             return True
         if self.at_prompt_end and position == self.prompt_end(prompt_len, block_tokens):
+            return True
+        if position < prompt_len and self.on_prefill_grid(position, block_tokens):
             return True
         if not (self.at_sequence_end and position >= prompt_len):
             return False
@@ -107,6 +127,13 @@ class CheckpointPolicy:
                 found.add(prompt_end)
         if self.interval_tokens:
             found.update(_multiples(start, end, self.interval_tokens))
+        if self.prefill_grid_tokens and start < prompt_len - 1:
+            grid = self.prefill_grid_tokens
+            last = min(end, prompt_len - 1)
+            for k in range(start // grid + 1, (last + block_tokens - 1) // grid + 1):
+                point = k * grid // block_tokens * block_tokens
+                if start < point <= last:
+                    found.add(point)
         if self.at_sequence_end and end >= prompt_len:
             step = self.decode_interval_tokens or block_tokens
             found.update(_multiples(max(start, prompt_len - 1), end, step))
@@ -121,8 +148,16 @@ class CheckpointPolicy:
             return True
         if position == branch_tokens:
             return True
+        if position < prompt_len and self.on_prefill_grid(position, block_tokens):
+            return True
         interval = self.retention_interval_tokens or self.interval_tokens
         return interval is not None and position % interval == 0
+
+
+def _grid_point(position: int, grid: int, block_tokens: int) -> bool:
+    """Whether ``position`` is ``k * grid`` floored to a block boundary for some k >= 1."""
+    k = -(-position // grid)
+    return position > 0 and k * grid // block_tokens * block_tokens == position
 
 
 def _multiples(start: int, end: int, step: int) -> range:

@@ -6,11 +6,13 @@ the same hashing and the same trace (docs/simulator.md says what each one leaves
 
     hybridkv                natural page sizes (block 16), shared arena where chunks flow
                             between states and KV, sparse snapshots taken inside the
-                            forward (branch points, prompt end, sequence end; a request
+                            forward (branch points, prompt end, every ~4096 prompt
+                            tokens, sequence end; a request
                             holds only its live state, its newest snapshot is parked in the
                             cache), LRU eviction with superseded snapshots demoted (the
                             core's defaults)
-    hybridkv-prompt-end     the policy before issue 12: no branch points, a request holds
+    hybridkv-prompt-end     the policy before issue 12: no branch points nor prefill grid,
+                            a request holds
                             its newest snapshot, and prefill chunks cut at the prompt-end
                             snapshot (one step more)
     hybridkv-cost           hybridkv with cost-aware eviction (Marconi's utility)
@@ -55,7 +57,9 @@ def _hybridkv_prompt_end(model: ModelSpec, memory_bytes: int) -> CacheConfig:
     return CacheConfig(
         memory_bytes=memory_bytes,
         block_tokens=BLOCK_TOKENS,
-        checkpoint=CheckpointPolicy(at_branch_points=False, release_newest=False),
+        checkpoint=CheckpointPolicy(
+            at_branch_points=False, release_newest=False, prefill_grid_tokens=None
+        ),
         split_prefill_at_snapshots=True,
     )
 
@@ -67,6 +71,7 @@ def _unified(retention_blocks: int | None) -> Callable[[ModelSpec, int], CacheCo
             interval_tokens=block,
             retention_interval_tokens=block * retention_blocks if retention_blocks else None,
             at_branch_points=False,  # every block boundary is a checkpoint already
+            prefill_grid_tokens=None,
             release_newest=False,  # a running vLLM request holds its blocks
         )
         return CacheConfig(

@@ -51,6 +51,32 @@ def test_second_request_behind_a_shared_prefix_snapshots_it_and_the_third_hits()
     mgr.check_integrity()
 
 
+def test_the_prefill_grid_gives_the_second_request_a_state_near_the_shared_prefix() -> None:
+    """issue 12, trace B at 200 blocks: the first request behind an 8192-token system
+    prompt had no branch point, so the second found the prompt's KV but no state and
+    recomputed all of it (0 hits where vLLM's dense mode had 8160). A grid point every
+    6 tokens (floored to block 4: 4, 12, 16) puts one at the shared prefix's end."""
+    for grid, expected_hit in ((None, 0), (6, 12)):
+        mgr = make_manager(num_chunks=16, checkpoint=CheckpointPolicy(prefill_grid_tokens=grid))
+        mgr.add_request(A, SYSTEM + tokens(5, start=500))
+        allocs = prefill(mgr, "a", 17)
+        taken = [s.position for a in allocs for s in a.snapshots]
+        assert taken == ([4, 12, 16] if grid else [16])
+        mgr.free(A)
+        # superseded grid points stay cached (retention keeps them)
+        assert cached_snapshot_positions(mgr, SYSTEM) == ([4, 12] if grid else [])
+        mgr.add_request(B, SYSTEM + tokens(6, start=600))
+        assert mgr.find_hit(B).num_tokens == expected_hit
+        prefill(mgr, "b", 18)
+        mgr.free(B)
+        mgr.check_integrity()
+
+
+def test_a_prefill_grid_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="prefill_grid_tokens"):
+        make_manager(checkpoint=CheckpointPolicy(prefill_grid_tokens=0))
+
+
 def test_a_prefix_still_being_computed_counts_as_shared() -> None:
     mgr = make_manager(num_chunks=16)
     mgr.add_request(A, SYSTEM + tokens(5, start=500))
@@ -162,6 +188,9 @@ POLICIES = [
     CheckpointPolicy(interval_tokens=2 * BLOCK),
     CheckpointPolicy(decode_interval_tokens=3 * BLOCK, at_prompt_end=False),
     CheckpointPolicy(at_sequence_end=False),
+    CheckpointPolicy(prefill_grid_tokens=6),
+    CheckpointPolicy(prefill_grid_tokens=2 * BLOCK, at_prompt_end=False),
+    CheckpointPolicy(prefill_grid_tokens=BLOCK - 1),  # below the block: every boundary
 ]
 
 

@@ -310,6 +310,10 @@ TestHybridLegacy = machine(hybrid_model, EvictionPolicy.LRU, LEGACY).TestCase
 # decode snapshots every 2 blocks, with retention keeping every 2nd block of the prompt
 SPARSE_DECODE = CheckpointPolicy(decode_interval_tokens=8, retention_interval_tokens=8)
 TestHybridSparseDecode = machine(hybrid_model, EvictionPolicy.COST, SPARSE_DECODE).TestCase
+# a prefill grid every 6 tokens (floored to block 4: 4, 12, 16, 24, ...), the default
+# policy's 4096 scaled to these prompts
+GRID = CheckpointPolicy(prefill_grid_tokens=6)
+TestHybridGrid = machine(hybrid_model, EvictionPolicy.LRU, GRID).TestCase
 # prefill chunks cut at every snapshot (the hybridkv-prompt-end design)
 TestHybridSplit = machine(hybrid_model, EvictionPolicy.LRU, SPARSE, split=True).TestCase
 # a draft model (same specs as the target, groups of its own) beside the target
@@ -325,6 +329,7 @@ for case in (
     TestHybridLegacy,
     TestHybridSparseDecode,
     TestHybridSplit,
+    TestHybridGrid,
 ):
     case.settings = SETTINGS
 del case  # a module-level TestCase would be collected twice
