@@ -1,25 +1,34 @@
 """Decode tokens/s with speculative decoding (n-gram k = 2, 4, 8; a draft model) against none.
 
-Two workloads on the tests' tiny random Qwen3.5 (Gated DeltaNet + gated attention, byte
+Three workloads on the tests' tiny random Qwen3.5 (Gated DeltaNet + gated attention, byte
 tokenizer), built with transformers into a temp dir:
 
-- ``copy``: the checkpoint with every block's output projection scaled by 0.05
-  (``tests/engine/engine_checkpoints.py``, ``mixer_scale``): close to a bigram model, its
-  greedy output falls into loops, i.e. copies spans of its own text, what n-gram drafts
-  (prompt lookup) are for;
-- ``nocopy``: the plain random checkpoint, whose greedy output has nothing to copy: every
-  n-gram match is a wrong guess, and speculation must fall back to plain decoding
-  (target: never below 0.95x).
+- ``copy`` (the issue's: answers that copy spans of the prompt, as when editing or
+  quoting a given text): the checkpoint with every block's output projection scaled by
+  0.05 (``tests/engine/engine_checkpoints.py``, ``mixer_scale``), close to a bigram model.
+  Each prompt is a document and its opening again: a random 16-token opening ``o``, the
+  ``--max-tokens`` + 32 tokens the model writes greedily after ``o`` (the document), then
+  ``o``; the answer (greedy, after the whole prompt) runs through the document's spans
+  again. The table's ``copied`` column says how much: the share of the answer's 4-grams
+  that occur in the prompt;
+- ``loop``: the same checkpoint on random byte prompts: its greedy output falls into loops
+  of ~12 tokens with variations (it copies its own text, not the prompt);
+- ``nocopy``: the plain random checkpoint on random prompts, whose greedy output has
+  nothing to copy: every n-gram match is a wrong guess, and speculation must fall back to
+  plain decoding (target: never below 0.95x).
 
 Each configuration runs ``--num-requests`` requests at once (greedy, EOS ignored,
-``--max-tokens`` each, distinct random byte prompts); its outputs must equal speculation
-off's (greedy speculation is exact). Rounds are interleaved (every round runs every
+``--max-tokens`` each); its outputs must equal speculation off's (greedy speculation is
+exact). Rounds are interleaved (every round runs every
 configuration once, in a rotated order) and each figure is the median over ``--repeats``
 rounds, after a warm-up round; the ratio is against speculation off in the same round.
-Acceptance comes from the engine's ``spec_decode_*`` counters.
+Acceptance comes from the engine's ``spec_decode_*`` counters; ``fixed`` and ``per draft``
+are the speculator's measured cost of a verification step, in plain decode steps (its
+online fit ``1 + fixed + per_draft * drafts``, see ``hybridkv/engine/spec_decode/speculator.py``)
+at the end of the run.
 
 Usage: ``python benchmarks/spec_decode.py [--num-requests 4] [--max-tokens 128]
-[--repeats 5] [--threads 1]``.
+[--repeats 5] [--threads 1] [--workload copy|loop|nocopy|all]``.
 """
 
 from __future__ import annotations
@@ -69,12 +78,29 @@ def configurations(model_dir: Path) -> dict[str, dict[str, Any] | None]:
     return configs
 
 
-def prompts(num_requests: int, length: int) -> list[dict[str, list[int]]]:
+def prompts(num_requests: int, length: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(0)
-    return [
-        {"prompt_token_ids": torch.randint(0, 256, (length,), generator=gen).tolist()}
-        for _ in range(num_requests)
-    ]
+    return [torch.randint(0, 256, (length,), generator=gen).tolist() for _ in range(num_requests)]
+
+
+def quoting_prompts(model_dir: Path, num_requests: int, doc_len: int) -> list[list[int]]:
+    """Opening + the document the model writes after it + the opening again."""
+    openings = prompts(num_requests, 16)
+    params = SamplingParams(max_tokens=doc_len, temperature=0.0, ignore_eos=True)
+    llm = LLM(str(model_dir), **OPTIONS)
+    docs = llm.generate([{"prompt_token_ids": o} for o in openings], params, use_tqdm=False)
+    return [o + d.outputs[0].token_ids + o for o, d in zip(openings, docs, strict=True)]
+
+
+def copied_share(prompt_ids: list[list[int]], answers: list[list[int]], n: int = 4) -> float:
+    """The share of the answers' n-grams that occur in their prompt."""
+    found = total = 0
+    for p, a in zip(prompt_ids, answers, strict=True):
+        grams = {tuple(p[i : i + n]) for i in range(len(p) - n + 1)}
+        for i in range(len(a) - n + 1):
+            total += 1
+            found += tuple(a[i : i + n]) in grams
+    return found / max(1, total)
 
 
 def timed(llm: LLM, requests: list[Any], params: SamplingParams) -> tuple[float, list[Any]]:
@@ -83,13 +109,15 @@ def timed(llm: LLM, requests: list[Any], params: SamplingParams) -> tuple[float,
     return time.perf_counter() - start, [o.outputs[0].token_ids for o in outs]
 
 
-def run_workload(name: str, model_dir: Path, args: argparse.Namespace) -> None:
+def run_workload(
+    name: str, model_dir: Path, prompt_ids: list[list[int]], args: argparse.Namespace
+) -> None:
     configs = configurations(model_dir)
     engines = {
         label: LLM(str(model_dir), speculative_config=spec, **OPTIONS)
         for label, spec in configs.items()
     }
-    requests = prompts(args.num_requests, args.prompt_len)
+    requests = [{"prompt_token_ids": p} for p in prompt_ids]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     labels = list(engines)
     times: dict[str, list[float]] = {label: [] for label in labels}
@@ -108,17 +136,31 @@ def run_workload(name: str, model_dir: Path, args: argparse.Namespace) -> None:
         for label in labels:
             times[label].append(seconds[label])
             ratios[label].append(seconds["off"] / seconds[label])
+    assert reference is not None
     generated = args.num_requests * args.max_tokens
-    print(f"\nworkload {name}: {args.num_requests} requests x {args.max_tokens} tokens")
-    print(f"{'config':<20} {'tok/s':>8} {'vs off':>7} {'accept':>7} {'mean len':>8} {'drafts':>7}")
+    prompt_len = statistics.median(len(p) for p in prompt_ids)
+    print(
+        f"\nworkload {name}: {args.num_requests} requests x {args.max_tokens} tokens, "
+        f"prompts of {prompt_len:.0f} tokens, copied {copied_share(prompt_ids, reference):.0%}"
+    )
+    print(
+        f"{'config':<20} {'tok/s':>8} {'vs off':>7} {'accept':>7} {'mean len':>8} "
+        f"{'drafts':>7} {'fixed':>6} {'per draft':>9}"
+    )
     for label in labels:
         stats = engines[label].stats()
         median = statistics.median(times[label])
+        speculator = engines[label].engine.speculator
+        costs = (
+            f"{speculator.costs.fixed:6.2f} {speculator.costs.per_draft:9.3f}"
+            if speculator
+            else f"{'':6} {'':9}"
+        )
         print(
             f"{label:<20} {generated / median:8.1f} {statistics.median(ratios[label]):6.2f}x "
             f"{stats['spec_decode_acceptance_rate']:7.2f} "
             f"{stats['spec_decode_mean_acceptance_length']:8.2f} "
-            f"{stats['spec_decode_num_draft_tokens']:7d}"
+            f"{stats['spec_decode_num_draft_tokens']:7d} {costs}"
         )
 
 
@@ -129,15 +171,22 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--workload", choices=["copy", "nocopy", "both"], default="both")
+    parser.add_argument("--workload", choices=["copy", "loop", "nocopy", "all"], default="all")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine_line())
     with tempfile.TemporaryDirectory() as tmp:
-        if args.workload in ("copy", "both"):
-            run_workload("copy", build(Path(tmp) / "copy", COPY_SCALE), args)
-        if args.workload in ("nocopy", "both"):
-            run_workload("nocopy", build(Path(tmp) / "nocopy", 1.0), args)
+        if args.workload in ("copy", "loop", "all"):
+            copying = build(Path(tmp) / "copy", COPY_SCALE)
+        if args.workload in ("copy", "all"):
+            doc_len = args.max_tokens + 32
+            quoting = quoting_prompts(copying, args.num_requests, doc_len)
+            run_workload("copy", copying, quoting, args)
+        if args.workload in ("loop", "all"):
+            run_workload("loop", copying, prompts(args.num_requests, args.prompt_len), args)
+        if args.workload in ("nocopy", "all"):
+            nocopy = build(Path(tmp) / "nocopy", 1.0)
+            run_workload("nocopy", nocopy, prompts(args.num_requests, args.prompt_len), args)
 
 
 if __name__ == "__main__":

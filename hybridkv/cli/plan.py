@@ -10,6 +10,7 @@ from typing import Any
 from hybridkv.core.model_config import builtin_model_names, load_model_spec
 from hybridkv.core.planner import Plan, plan
 from hybridkv.core.report import concurrency_line
+from hybridkv.core.spec import with_draft
 from hybridkv.core.units import GIB, MIB
 
 
@@ -34,6 +35,12 @@ def add_plan_parser(commands: Any) -> None:
         default=0,
         help="draft tokens per step (speculative decoding): count their scratch state pages",
     )
+    p.add_argument(
+        "--draft-model",
+        default=None,
+        help="a draft model (speculative decoding, config.json or model dir): its layers "
+        "get pages in the same arena, with the same cache dtypes",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--list", action="store_true", help="list the built-in model names")
     p.set_defaults(run=run_plan)
@@ -49,9 +56,10 @@ def run_plan(args: argparse.Namespace) -> int:
         raise ValueError("--memory-gib is required")
     if not 0 < args.memory_gib < math.inf:  # nan and inf too: int(inf) would raise OverflowError
         raise ValueError(f"--memory-gib must be positive and finite, got {args.memory_gib}")
-    spec = load_model_spec(
-        args.model, kv_dtype=args.kv_dtype, conv_dtype=args.conv_dtype, ssm_dtype=args.ssm_dtype
-    )
+    dtypes = {"kv_dtype": args.kv_dtype, "conv_dtype": args.conv_dtype, "ssm_dtype": args.ssm_dtype}
+    spec = load_model_spec(args.model, **dtypes)
+    if args.draft_model:
+        spec = with_draft(spec, load_model_spec(args.draft_model, **dtypes))
     result = plan(
         spec,
         int(args.memory_gib * GIB),

@@ -37,6 +37,16 @@ EVICTION_POLICIES = {"lru": EvictionPolicy.LRU, "cost": EvictionPolicy.COST}
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a path
 
 
+def loader_cache_dtype(name: str) -> str | None:
+    """A cache dtype option as the loader takes it: None for 'auto', fp8 by torch's name."""
+    return {
+        "auto": None,
+        "fp8": "float8_e4m3fn",
+        "fp8_e4m3": "float8_e4m3fn",
+        "fp8_e5m2": "float8_e5m2",
+    }.get(name, name)
+
+
 def human_readable_int(text: str) -> int:
     """vLLM's integer flags: ``32k`` is 32,000, ``32K`` is 32,768, ``25.6k`` is 25,600.
 

@@ -27,7 +27,11 @@ from typing import Any
 import torch
 
 from hybridkv.core.manager import CacheConfig, CacheManager
-from hybridkv.engine.config import DEFAULT_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from hybridkv.engine.config import (
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    EngineConfig,
+    loader_cache_dtype,
+)
 from hybridkv.engine.generation_defaults import default_sampling
 from hybridkv.engine.inputs import InputProcessor, PromptType
 from hybridkv.engine.logits_processors import RowContext
@@ -57,16 +61,6 @@ from hybridkv.sched.scheduler import ScheduledChunk, Scheduler
 logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine"]
-
-
-def _cache_dtype(name: str) -> str | None:
-    """A cache dtype option as the loader takes it: None for 'auto', fp8 by torch's name."""
-    return {
-        "auto": None,
-        "fp8": "float8_e4m3fn",
-        "fp8_e4m3": "float8_e4m3fn",
-        "fp8_e5m2": "float8_e5m2",
-    }.get(name, name)
 
 
 @dataclass(eq=False)
@@ -105,8 +99,8 @@ class LLMEngine:
             config.model,
             dtype=config.dtype,
             device=config.device,
-            kv_dtype=_cache_dtype(config.kv_cache_dtype),
-            ssm_dtype=_cache_dtype(config.mamba_ssm_cache_dtype),
+            kv_dtype=loader_cache_dtype(config.kv_cache_dtype),
+            ssm_dtype=loader_cache_dtype(config.mamba_ssm_cache_dtype),
             tokenizer_dir=config.tokenizer,
         )
         self.model_config = loaded.config
@@ -328,6 +322,7 @@ class LLMEngine:
         if sched.chunks:
             self.num_steps += 1
             try:
+                started = time.perf_counter()
                 if self.speculator is not None:
                     self.speculator.fill(sched.chunks)
                 logits = self.runner.execute(
@@ -335,6 +330,8 @@ class LLMEngine:
                 )
                 self._record_prompt_logprobs(sched.chunks, logits, touched)
                 sampled = self._sample(sched.chunks, logits.last)
+                if self.speculator is not None:  # what verification costs, measured
+                    self.speculator.observe_step(sched.chunks, time.perf_counter() - started)
             except Exception as exc:  # never leave sequences holding pages after a crash
                 logger.exception("model step failed")
                 for chunk in sched.chunks:
@@ -457,8 +454,11 @@ class LLMEngine:
             if tokens is None:
                 self.scheduler.advance(chunk)
                 continue
-            if chunk.num_draft_tokens and self.speculator is not None:
-                self.speculator.record(chunk, len(tokens) - 1)
+            if self.speculator is not None:
+                if chunk.num_draft_tokens:
+                    self.speculator.record(chunk, len(tokens) - 1)
+                else:
+                    self.speculator.record_plain(chunk, tokens[0].token_id)
             req.metrics.record_token(now)
             stop = None
             for token in tokens:  # kept drafts, then the next token; a stop ends them

@@ -148,9 +148,11 @@ def plan_command(config: EngineConfig, spec: ModelSpec, budget: CacheBudget, len
     for flag, dtype in (("--kv-dtype", kv), ("--conv-dtype", conv), ("--ssm-dtype", ssm)):
         if dtype is not None:
             argv += [flag, dtype]
-    speculative = config.speculative  # (a draft model's own layers are not in the plan)
+    speculative = config.speculative
     if speculative is not None:
         argv += ["--num-speculative-tokens", str(speculative.num_speculative_tokens)]
+        if speculative.model is not None:  # a draft model's layers share the arena
+            argv += ["--draft-model", str(speculative.model)]
     return shlex.join(argv)
 
 

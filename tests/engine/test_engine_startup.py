@@ -4,6 +4,7 @@ defaults, vLLM's options accepted, and ``LLM`` used from two threads at once."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import shlex
@@ -195,3 +196,37 @@ def test_two_threads_calling_generate_get_their_own_correct_outputs(ckpt: Path) 
         mine = PROMPTS[index::2]
         assert results[index] == [expected[p] for p in mine] * 3
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_draft_models_layers_are_planned_with_the_cache_dtypes(
+    checkpoints: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A draft model's layers take the engine's kv_cache_dtype and mamba_ssm_cache_dtype
+    (regression: they kept the draft checkpoint's defaults), and the printed
+    ``hybridkv plan`` command (``--draft-model``) reports the same capacity as the engine,
+    whose arena holds the draft's pages too (regression: the command left them out)."""
+    _, target = checkpoints(ARCH)
+    _, draft = checkpoints("nemotron_h")  # a Mamba2 hybrid: KV and SSM state
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    llm = LLM(
+        str(target),
+        speculative_config=spec,
+        cache_memory_gib=0.02,
+        max_num_seqs=8,
+        max_model_len=256,
+        kv_cache_dtype="fp8",
+        mamba_ssm_cache_dtype="float16",
+    )
+    drafts = [layer for layer in llm.engine.speculative.cache_spec.layers if layer.draft]
+    assert drafts
+    dtypes = startup.spec_dtypes(
+        dataclasses.replace(llm.engine.speculative.cache_spec, layers=tuple(drafts))
+    )
+    assert (dtypes[0], dtypes[2]) == ("float8_e4m3fn", "float16")
+    stats = llm.stats()
+    command = next(line for line in llm.capacity_report if "hybridkv plan" in line)
+    assert f"--draft-model {draft}" in command
+    expected = plan_json(command.split(": ", 1)[1], capsys)
+    assert stats["capacity"] == expected | {"model": stats["capacity"]["model"]}
+    without_draft = plan_json(command.split(": ", 1)[1].split(" --draft-model")[0], capsys)
+    assert without_draft["state_bytes_per_seq"] != expected["state_bytes_per_seq"]

@@ -32,6 +32,16 @@ SHARED = prompt(5, 20)
 PROMPTS = [SHARED + prompt(40 + i, 6 + 5 * i) for i in range(3)] + [prompt(49, 11)]
 
 
+def speculating(path: Any, **options: Any) -> LLM:
+    """An engine with n-gram speculation that verifies every draft it finds, paying or not
+    (the speculator's cost rule would back off on some of these texts), so that every test
+    runs verification and rollback."""
+    llm = LLM(str(path), speculative_config=NGRAM, **options)
+    assert llm.engine.speculator is not None
+    llm.engine.speculator.always_verify = True
+    return llm
+
+
 def generate(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
     requests = [{"prompt_token_ids": p} for p in prompts]
     return [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
@@ -52,7 +62,7 @@ def test_ngram_greedy_equals_no_speculation_equals_transformers(
     arch: str, copying_checkpoints: Any
 ) -> None:
     hf, path = copying_checkpoints(arch)
-    on = LLM(str(path), speculative_config=NGRAM, **OPTIONS)
+    on = speculating(path, **OPTIONS)
     off = LLM(str(path), **OPTIONS)
     # twice: the second round hits the prefix cache (blocks and snapshots written by
     # speculative steps must hold only verified tokens and states)
@@ -69,7 +79,7 @@ def test_ngram_greedy_equals_no_speculation_equals_transformers(
 @pytest.mark.parametrize("arch", ["qwen3_next", "jamba"])
 def test_ngram_without_prefix_caching(arch: str, copying_checkpoints: Any) -> None:
     hf, path = copying_checkpoints(arch)
-    on = LLM(str(path), speculative_config=NGRAM, enable_prefix_caching=False, **OPTIONS)
+    on = speculating(path, enable_prefix_caching=False, **OPTIONS)
     for p, tokens in zip(PROMPTS, generate(on, PROMPTS, GREEDY), strict=True):
         assert_transformers_greedy(hf, p, tokens)
     assert_kept_and_rejected(on)
@@ -82,7 +92,7 @@ def test_preemption_in_the_middle_of_speculation(arch: str, copying_checkpoints:
     hf, path = copying_checkpoints(arch)
     options = {**OPTIONS, "max_model_len": 128}
     tight = tight_cache_gib(path, options, state_pages=3 + NGRAM["num_speculative_tokens"])
-    small = LLM(str(path), speculative_config=NGRAM, **{**options, "cache_memory_gib": tight})
+    small = speculating(path, **{**options, "cache_memory_gib": tight})
     prompts = [SHARED + prompt(60 + i, 20 + 3 * i) for i in range(8)]
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     got = generate(small, prompts, params)
@@ -99,7 +109,7 @@ def test_n_stop_strings_and_max_tokens_inside_a_verification_window(
     """Requests that end in the middle of a window end where decoding one by one ends:
     max_tokens, stop token ids, stop strings; n > 1 copies speculate independently."""
     _, path = copying_checkpoints("qwen3_5_text")
-    on = LLM(str(path), speculative_config=NGRAM, **OPTIONS)
+    on = speculating(path, **OPTIONS)
     off = LLM(str(path), **OPTIONS)
     p = PROMPTS[1]
     full = generate(off, [p], GREEDY)[0]

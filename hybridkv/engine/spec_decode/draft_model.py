@@ -42,6 +42,8 @@ from hybridkv.sched.scheduler import ScheduledChunk
 class DraftModelProposer:
     """Greedy drafts from a draft model on its own pages of the target's arena."""
 
+    free_guess = False  # a guess costs a draft forward
+
     def __init__(
         self,
         model: CausalLM,
@@ -63,6 +65,9 @@ class DraftModelProposer:
 
     def available(self, seq: Sequence, limit: int) -> int:
         return max(0, min(limit, self.max_model_len - seq.num_tokens))
+
+    def guess(self, seq_id: str) -> int | None:
+        return None
 
     def forget(self, seq_id: str) -> None:
         self._seen.pop(seq_id, None)

@@ -105,7 +105,9 @@ class _Concat:
 
 class NgramDrafts:
     """:class:`NgramProposer` as the engine's proposer: the draft found when the step is
-    planned is the one verified."""
+    planned is the one verified. Its guesses cost no forward (``free_guess``)."""
+
+    free_guess = True
 
     def __init__(self, proposer: NgramProposer) -> None:
         self.proposer = proposer
@@ -115,6 +117,10 @@ class NgramDrafts:
         found = self.proposer.propose(seq.seq_id, seq.prompt_token_ids, seq.output_token_ids, limit)
         self._found[seq.seq_id] = found
         return len(found)
+
+    def guess(self, seq_id: str) -> int | None:
+        found = self._found.get(seq_id)
+        return found[0] if found else None
 
     def fill(self, chunks: list[ScheduledChunk]) -> None:
         for chunk in chunks:

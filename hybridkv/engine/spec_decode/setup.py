@@ -14,20 +14,17 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridkv.core.spec import ModelSpec, with_draft
+from hybridkv.engine.config import EngineConfig, loader_cache_dtype
 from hybridkv.engine.spec_decode.config import SpeculativeConfig
 from hybridkv.engine.spec_decode.draft_model import DraftModelProposer
 from hybridkv.engine.spec_decode.ngram import NgramDrafts, NgramProposer
-from hybridkv.engine.spec_decode.speculator import Speculator
+from hybridkv.engine.spec_decode.speculator import ROW_COST, Speculator
 from hybridkv.models.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
     from hybridkv.core.manager import CacheManager
-    from hybridkv.engine.config import EngineConfig
     from hybridkv.engine.runner import ModelRunner
 
-# A verified row costs this fraction of a plain decode step (measured with
-# benchmarks/spec_decode.py; the proposer's own cost comes on top).
-ROW_COST = 0.1
 DEFAULT_DRAFT_LEN = 4096  # positions of a draft model whose config names none
 
 
@@ -51,7 +48,13 @@ class SpeculativeSetup:
         if config is None or config.method != "draft_model":
             return cls(config, target.spec, target)
         assert config.model is not None
-        draft = load_model(config.model, dtype=target.dtype, device=engine.device)
+        draft = load_model(  # the target's cache dtypes: one arena, one set of options
+            config.model,
+            dtype=target.dtype,
+            device=engine.device,
+            kv_dtype=loader_cache_dtype(engine.kv_cache_dtype),
+            ssm_dtype=loader_cache_dtype(engine.mamba_ssm_cache_dtype),
+        )
         check_vocabulary(target, draft, config.model)
         return cls(config, with_draft(target.spec, draft.spec), target, draft)
 
@@ -81,7 +84,8 @@ class SpeculativeSetup:
             runner.device,
             int(self.draft.config.get("max_position_embeddings") or DEFAULT_DRAFT_LEN),
         )
-        # every draft token costs one draft forward on top of its verified row
+        # the cost fit's prior: every draft token costs one draft forward on top of its
+        # verified row (then measured, draft forwards included)
         relative = _num_params(draft_model) / max(1, _num_params(runner.model))
         return Speculator(proposer, k, cost_per_draft=ROW_COST + relative)
 

@@ -1,0 +1,89 @@
+"""The speculator's policy: measured verification costs, acceptance estimates, and the
+choice of draft counts that falls back to plain decoding when drafts do not pay."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_checkpoints import build_checkpoint
+from hybrid_checks import prompt
+
+from hybridkv import LLM, SamplingParams
+from hybridkv.engine.spec_decode.speculator import StepCosts, choose_drafts
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
+OPTIONS: dict[str, Any] = {"max_model_len": 256, "block_size": 8, "cache_memory_gib": 0.05}
+GREEDY = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+def test_step_costs_follow_the_measured_line_and_resist_a_few_noisy_steps() -> None:
+    """Verification steps costing 1 + 0.5 + 0.2 * drafts plain steps (2 ms each) pull the
+    fit from its prior (1.0, 0.05) most of the way; the prior keeps some weight, so three
+    wild steps (a loaded machine) cannot price drafts out of reach (regression: with k=2
+    the benchmark's fit went to 0.25 per draft after 3 verification steps and speculation
+    stopped for good)."""
+    costs = StepCosts(fixed=1.0, per_draft=0.05, typical_drafts=8)
+    for i in range(200):
+        costs.observe(0, 0.002)
+        drafts = 1 + i % 8
+        costs.observe(drafts, 0.002 * (1 + 0.5 + 0.2 * drafts))
+    assert costs.fixed == pytest.approx(0.5, abs=0.2)
+    assert costs.per_draft == pytest.approx(0.2, abs=0.05)
+
+    noisy = StepCosts(fixed=0.5, per_draft=0.05, typical_drafts=2)
+    noisy.observe(0, 0.002)
+    for drafts, seconds in ((2, 0.002 * 1.4), (4, 0.002 * 3.5), (8, 0.002 * 2.0)):
+        noisy.observe(drafts, seconds)
+    assert noisy.per_draft < 0.15 and noisy.fixed < 1.2, (noisy.fixed, noisy.per_draft)
+
+
+def test_choose_drafts_pays_for_the_fixed_cost_once() -> None:
+    costs = StepCosts(fixed=1.0, per_draft=0.1, typical_drafts=4)
+    assert choose_drafts([(0.0, 4)] * 4, costs, 0) == [0, 0, 0, 0]  # nothing is kept
+    assert choose_drafts([(0.95, 4)] * 4, costs, 0) == [4, 4, 4, 4]  # nearly all is kept
+    # one good sequence alone pays the fixed cost; the bad one does not ride along
+    assert choose_drafts([(0.95, 4), (0.05, 4)], costs, 0) == [4, 0]
+    # a modest rate pays for one sequence but not when the step must also carry 7 others
+    assert choose_drafts([(0.8, 4)], costs, 0)[0] > 0
+    assert choose_drafts([(0.8, 4)], costs, 7) == [0]
+    # with no fixed cost a cheap draft pays at a lower rate
+    free = StepCosts(fixed=0.0, per_draft=0.05, typical_drafts=4)
+    assert choose_drafts([(0.3, 4)], free, 0)[0] > 0
+
+
+def test_speculates_on_quoted_text_and_backs_off_with_nothing_to_copy(
+    checkpoints: Any, tmp_path: Path
+) -> None:
+    """The default policy (no forced verification): on prompts that quote the text the
+    model writes (block outputs x 0.05: near-bigram, so it writes the quoted spans
+    again), most drafts are kept; on a random model's text (nothing to copy) the free
+    shadow trials keep it from verifying. Greedy output is unchanged either way."""
+    copying = tmp_path / "copying"
+    build_checkpoint("qwen3_5_text", copying, mixer_scale=0.05)
+    off = LLM(str(copying), **OPTIONS)
+    openings = [prompt(70 + i, 12) for i in range(3)]
+    docs = [
+        o.outputs[0].token_ids
+        for o in off.generate([{"prompt_token_ids": p} for p in openings], GREEDY, use_tqdm=False)
+    ]
+    quoting = [{"prompt_token_ids": p + d + p} for p, d in zip(openings, docs, strict=True)]
+    on = LLM(str(copying), speculative_config=NGRAM, **OPTIONS)
+    got = [o.outputs[0].token_ids for o in on.generate(quoting, GREEDY, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in off.generate(quoting, GREEDY, use_tqdm=False)]
+    stats = on.stats()
+    assert stats["spec_decode_num_draft_tokens"] > 0, stats
+    assert stats["spec_decode_acceptance_rate"] > 0.5, stats
+
+    _, plain = checkpoints("qwen3_5_text")
+    random_prompts = [{"prompt_token_ids": prompt(80 + i, 30)} for i in range(3)]
+    on = LLM(str(plain), speculative_config=NGRAM, **OPTIONS)
+    got = [o.outputs[0].token_ids for o in on.generate(random_prompts, GREEDY, use_tqdm=False)]
+    off = LLM(str(plain), **OPTIONS)
+    assert got == [
+        o.outputs[0].token_ids for o in off.generate(random_prompts, GREEDY, use_tqdm=False)
+    ]
+    stats = on.stats()
+    generated = 3 * GREEDY.max_tokens
+    assert stats["spec_decode_num_draft_tokens"] <= 0.05 * generated, stats
