@@ -104,9 +104,9 @@ class StepCosts:
     Plain steps (decodes only) keep a moving average of their seconds; every verification
     step adds the point (its drafts, its seconds / that average - 1) to an exponentially
     weighted least-squares line. Two prior points on the line given keep their weight
-    (``PRIOR_WEIGHT`` steps, against ~20 for the decayed observations): a few noisy steps
-    on a loaded machine, or a narrow spread of draft counts, cannot swing the fit far enough
-    to stop verification, after which nothing would correct it.
+    (``PRIOR_WEIGHT`` steps, against ~20 for the decayed observations). Known limit: a few
+    noisy steps with a narrow spread of draft counts can still fit a steep line that prices
+    drafts out, and once nothing is verified nothing corrects it (no exploration yet).
     """
 
     def __init__(self, fixed: float, per_draft: float, typical_drafts: int) -> None:
