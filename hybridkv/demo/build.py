@@ -26,11 +26,11 @@ to five exchanges; v2 answered the capital of France with Berlin), tells corpus-
 stories and ends its turns with ``<|end|>``; it knows nothing beyond the corpus.
 
 The same recipe gives the same weights on the same machine (seeded init, batches and BPE;
-one thread). A full rebuild (900 steps) took 20 min 25 s wall, 474 s of CPU, on the shared
-2-core machine under load ~7, so the test suite
-checks a cheap fingerprint instead: the corpus and the tokenizer exactly, and the weights
-after the first :data:`FINGERPRINT_STEPS` steps of the recipe's own schedule against the
-figures the full build recorded at that step (:func:`recipe_fingerprint`). Variants
+one thread; ``--verify`` on the shipped v3 checkpoint: identical). A full rebuild (900
+steps) took 20 min 25 s wall, 474 s of CPU, on the shared 2-core machine under load ~7, so
+the test suite checks a cheap fingerprint instead: the corpus and the tokenizer exactly, and
+the weights after the first :data:`FINGERPRINT_STEPS` steps of the recipe's own schedule
+against the figures the full build recorded at that step (:func:`recipe_fingerprint`). Variants
 (another ``num_steps``) build into a directory of their own, under a file lock, renamed
 into place when complete.
 """
