@@ -4,14 +4,17 @@ choice of draft counts that falls back to plain decoding when drafts do not pay.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from engine_checkpoints import build_checkpoint
 from hybrid_checks import prompt
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.engine.spec_decode.speculator import StepCosts, choose_drafts
+from hybridkv.engine.spec_decode.speculator import Speculator, StepCosts, choose_drafts
+from hybridkv.sched.request import Sequence
+from hybridkv.sched.scheduler import ScheduledChunk
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 OPTIONS: dict[str, Any] = {"max_model_len": 256, "block_size": 8, "cache_memory_gib": 0.05}
@@ -78,3 +81,76 @@ def test_speculates_on_quoted_text_and_backs_off_with_nothing_to_copy(
     stats = on.stats()
     generated = 3 * GREEDY.max_tokens
     assert stats["spec_decode_num_draft_tokens"] <= 0.05 * generated, stats
+
+
+class _AlwaysGuesses:
+    """A free proposer that always offers ``k`` drafts, first guess token 7."""
+
+    free_guess = True
+
+    def available(self, seq: Sequence, limit: int) -> int:
+        return limit
+
+    def guess(self, seq_id: str) -> int | None:
+        return 7
+
+    def fill(self, chunks: list[ScheduledChunk]) -> None:
+        """Not reached: the test never schedules."""
+
+    def forget(self, seq_id: str) -> None:
+        """Nothing is kept."""
+
+
+def test_noisy_cost_fit_does_not_stop_speculation_for_good() -> None:
+    """Regression (21:35 run of benchmarks/spec_decode.py): a few noisy verification steps
+    fitted a steep cost line and nothing was verified for the rest of the run. Such a fit
+    still declines a step's drafts, but the speculator explores with the prior's choice,
+    the exploring steps (cheap, as verification really is) feed the fit, and it verifies
+    by itself again."""
+    spec = Speculator(_AlwaysGuesses(), 2, cost_per_draft=0.05)
+    seqs = []
+    for i in range(4):
+        seq = Sequence(f"s{i}", "r", i, [1, 2, 3], SamplingParams(), output_token_ids=[4])
+        seq.num_computed = seq.num_tokens - 1
+        seqs.append(seq)
+    chunks = [cast(ScheduledChunk, SimpleNamespace(seq=seq)) for seq in seqs]
+
+    def plain_step(step: int) -> None:  # four guesses in five are right: acceptance ~0.8
+        for chunk in chunks:
+            spec.record_plain(chunk, 7 if step % 5 else 8)
+
+    for step in range(1, 21):
+        spec.plan(seqs, lambda s: 2)
+        plain_step(step)
+    spec.costs.observe(0, 0.010)
+    for drafts, excess in ((8, 2.5), (6, 2.4), (8, 2.6)):  # three noisy steps
+        spec.costs.observe(drafts, 0.010 * (1 + excess))
+    assert spec.costs.per_draft > 0.25  # a steep fit: without exploration, 40 plain steps
+    verified = []
+    for step in range(1, 41):
+        spec.plan(seqs, lambda s: 2)
+        drafts = sum(seq.num_draft_tokens for seq in seqs)
+        verified.append(drafts)
+        if drafts:  # a verification really costs 1.5 plain steps + 0.02 per draft
+            spec.costs.observe(drafts, 0.010 * (1.5 + 0.02 * drafts))
+        else:
+            spec.costs.observe(0, 0.010)
+            plain_step(step)
+    assert any(verified[:8])  # explored within a few steps
+    assert all(verified[-10:])  # the fit came back: it verifies every step by itself
+    assert spec.costs.per_draft < 0.1
+
+
+def test_no_exploration_when_drafts_do_not_pay_by_the_prior_either() -> None:
+    """Nothing to copy: every free guess is wrong, the prior declines too, so the
+    speculator never verifies (the >= 0.95x floor with nothing to copy)."""
+    spec = Speculator(_AlwaysGuesses(), 4, cost_per_draft=0.05)
+    seq = Sequence("a", "r", 0, [1, 2, 3], SamplingParams(), output_token_ids=[4])
+    seq.num_computed = seq.num_tokens - 1
+    chunk = cast(ScheduledChunk, SimpleNamespace(seq=seq))
+    verified = 0
+    for _ in range(200):
+        spec.plan([seq], lambda s: 4)
+        verified += seq.num_draft_tokens
+        spec.record_plain(chunk, 8)
+    assert verified == 0

@@ -38,6 +38,15 @@ each sequence takes the ``s`` with the largest gain ``E(s) - 1 - lam * per_draft
 over a plain decode, where ``lam`` is the step's tokens per cost (Dinkelbach's iteration
 for the best ratio), and the step verifies only if the gains pay ``lam * fixed``. vLLM has
 no such rule for n-gram drafts (it always verifies a match).
+
+Exploration. The cost fit only learns from verification steps, so a few noisy ones that
+fit a steep line would stop speculation for good: nothing verified, nothing corrects it.
+When the fitted costs decline drafts that the prior costs (the measured figures above)
+would verify, the step verifies the prior's choice anyway after 1, 2, 4, ... 64 such
+declined steps (reset once the fit itself verifies again). Each exploring step adds a
+point to the fit, so a fit pushed up by noise comes back; a fit that is right costs at
+most one exploring step in 64. Sequences with nothing to copy are declined by the prior
+too, so they never explore.
 """
 
 from __future__ import annotations
@@ -51,7 +60,7 @@ from hybridkv.sched.scheduler import ScheduledChunk
 
 DECAY = 0.8  # weight of the past in the acceptance estimate, per trial
 PRIOR_KEPT, PRIOR_REJECTED = 0.5, 1.0  # a new sequence starts pessimistic (a = 1/3)
-MAX_PROBE_INTERVAL = 64  # idle steps between probes, at most (proposers without shadow)
+MAX_PROBE_INTERVAL = 64  # declined steps between probes (no free guess) or explorations, at most
 # The cost fit's prior, in plain decode steps (measured on the tests' tiny Qwen3.5 with 4
 # requests: 0.4-0.6 and 0.01-0.04, benchmarks/README.md, issue 16):
 FIXED_COST = 0.5  # a step that verifies anything, over a plain decode step
@@ -104,9 +113,9 @@ class StepCosts:
     Plain steps (decodes only) keep a moving average of their seconds; every verification
     step adds the point (its drafts, its seconds / that average - 1) to an exponentially
     weighted least-squares line. Two prior points on the line given keep their weight
-    (``PRIOR_WEIGHT`` steps, against ~20 for the decayed observations). Known limit: a few
-    noisy steps with a narrow spread of draft counts can still fit a steep line that prices
-    drafts out, and once nothing is verified nothing corrects it (no exploration yet).
+    (``PRIOR_WEIGHT`` steps, against ~20 for the decayed observations). A few noisy steps
+    with a narrow spread of draft counts can still fit a steep line that prices drafts out;
+    :class:`Speculator` then explores (module docstring), which feeds the fit new points.
     """
 
     def __init__(self, fixed: float, per_draft: float, typical_drafts: int) -> None:
@@ -207,6 +216,10 @@ class Speculator:
         self.proposer = proposer
         self.k = num_speculative_tokens
         self.costs = StepCosts(FIXED_COST, cost_per_draft, num_speculative_tokens)
+        # the prior line, never fitted: what exploring steps verify (module docstring)
+        self.prior_costs = StepCosts(FIXED_COST, cost_per_draft, num_speculative_tokens)
+        self._declined_steps = 0
+        self._explore_interval = 1
         self.stats = SpecDecodeStats(accepted_per_position=[0] * num_speculative_tokens)
         self._seqs: dict[str, _Acceptance] = {}
         # verify every draft the proposer offers, paying or not (tests: exercises
@@ -235,7 +248,7 @@ class Speculator:
         if self.always_verify:
             chosen = [n for _, _, n in offers]
         else:
-            chosen = choose_drafts([(a.rate, n) for _, a, n in offers], self.costs, num_plain)
+            chosen = self._choose([(a.rate, n) for _, a, n in offers], num_plain)
         for (seq, acc, _), drafts in zip(offers, chosen, strict=True):
             if drafts > 0:  # pays: no more waiting
                 acc.idle_steps, acc.probe_interval = 0, 1
@@ -246,6 +259,24 @@ class Speculator:
                     acc.probe_interval = min(2 * acc.probe_interval, MAX_PROBE_INTERVAL)
                     drafts = 1
             seq.num_draft_tokens = drafts
+
+    def _choose(self, offers: list[tuple[float, int]], num_plain: int) -> list[int]:
+        """Drafts per offer by the fitted costs, or by the prior's when exploring."""
+        chosen = choose_drafts(offers, self.costs, num_plain)
+        if any(chosen):
+            self._declined_steps, self._explore_interval = 0, 1
+            return chosen
+        if not offers:
+            return chosen
+        prior_choice = choose_drafts(offers, self.prior_costs, num_plain)
+        if not any(prior_choice):
+            return chosen
+        self._declined_steps += 1
+        if self._declined_steps < self._explore_interval:
+            return chosen
+        self._declined_steps = 0
+        self._explore_interval = min(2 * self._explore_interval, MAX_PROBE_INTERVAL)
+        return prior_choice
 
     def fill(self, chunks: list[ScheduledChunk]) -> None:
         if any(c.num_draft_tokens for c in chunks):
