@@ -21,6 +21,8 @@ from hybrid_checks import prompt
 from tiny import hf_logits
 
 from hybridkv import LLM, SamplingParams
+from hybridkv.core.checkpoint import CheckpointPolicy
+from hybridkv.engine.config import EngineConfig
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -98,6 +100,40 @@ def test_users_behind_a_system_prompt_hit_its_branch_point(arch: str, checkpoint
         assert_transformers_greedy(hf, p, got.outputs[0].token_ids)
         cached.append(got.num_cached_tokens)
     assert cached == [0, 0, 96, 96]
+    assert_all_released(on)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_prefill_grid_snapshots_equal_cache_off(
+    arch: str, checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefill grid (a prompt's state every ``prefill_grid_tokens``, 4096 by default, so
+    it never fires on the tests' short prompts) shrunk to 40 tokens: the first user behind a
+    100-token system prompt snapshots at 40 and 80 inside its prefill, so the second resumes
+    at 80 (0 without the grid, as above) and snapshots the branch point (96) that the third
+    and fourth resume at. Outputs equal cache off and transformers."""
+
+    def grid_policy(config: EngineConfig) -> CheckpointPolicy:
+        return CheckpointPolicy(
+            interval_tokens=config.checkpoint_interval,
+            retention_interval_tokens=config.retention_interval,
+            prefill_grid_tokens=40,
+        )
+
+    monkeypatch.setattr(EngineConfig, "checkpoint_policy", property(grid_policy))
+    hf, path = checkpoints(arch)
+    system = prompt(101, 100)
+    on = LLM(str(path), **DEFAULTS)
+    off = LLM(str(path), enable_prefix_caching=False, **DEFAULTS)
+    cached = []
+    for i in range(4):
+        p = system + prompt(40 + i, 9 + i)
+        [got] = on.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
+        [ref] = off.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert_transformers_greedy(hf, p, got.outputs[0].token_ids)
+        cached.append(got.num_cached_tokens)
+    assert cached == [0, 80, 96, 96]
     assert_all_released(on)
 
 
