@@ -7,7 +7,8 @@ complex128 (one element per 16 bytes) take ~0.14 ms (issue 13's decode profile; 
 measurement is in the commit that added this module). The copies move bytes only, so
 reinterpreting them is exact, NaN payloads included. Rows that cannot be seen that way
 (row bytes not a multiple of 16, a non-contiguous row, an unaligned offset) take the plain
-ops.
+ops, and so do tensors autograd tracks (a dtype view cuts the graph: the demo model trains
+through these ops, tests/demo).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ _WIDE = torch.complex128  # 16-byte elements: the widest dtype whose copies are 
 def _wide_rows(x: Tensor) -> Tensor | None:
     """``x`` as [rows, row bytes / 16] complex128, or None when its rows are not contiguous
     runs of whole 16-byte words."""
-    if x.dim() == 0 or x.dtype == _WIDE:
+    if x.dim() == 0 or x.dtype == _WIDE or needs_grad(x):
         return None
     rows = x.reshape(x.shape[0], -1) if x.dim() > 2 else x if x.dim() == 2 else x[:, None]
     if rows.data_ptr() != x.data_ptr() or (rows.shape[1] > 1 and rows.stride(1) != 1):
@@ -32,6 +33,11 @@ def _wide_rows(x: Tensor) -> Tensor | None:
         return rows.view(_WIDE)
     except RuntimeError:  # stride or storage offset not a multiple of 16 bytes
         return None
+
+
+def needs_grad(x: Tensor) -> bool:
+    """Whether autograd records ops on ``x`` here (then only the plain ops are exact)."""
+    return x.requires_grad and torch.is_grad_enabled()
 
 
 def _same_layout(dst: Tensor, src: Tensor) -> bool:

@@ -95,3 +95,25 @@ def test_attention_gather_by_slot_rows_equals_advanced_indexing(
     slots = torch.randint(0, 4, (3, 5), generator=gen)
     got = _gather(cache, KeyGather(pages, slots, None), dtype)
     assert torch.equal(bits(got), bits(cache[pages, slots].transpose(1, 2)))
+
+
+def test_tensors_autograd_tracks_take_the_plain_ops_and_keep_their_gradients() -> None:
+    """Regression: the demo model trains through these ops (tests/demo); the 16-byte views
+    and ``index_select(out=...)`` cut the graph, so its gradients no longer matched
+    transformers'. With autograd recording, the plain ops run and gradients flow."""
+    src = torch.randn(4, 8, requires_grad=True)
+    dst = torch.zeros(6, 8)
+    index = torch.tensor([5, 0, 3, 1])
+    index_copy_rows(dst, index, src * 2.0)
+    dst.sum().backward()
+    assert src.grad is not None and torch.equal(src.grad, torch.full((4, 8), 2.0))
+
+    cache = torch.randn(NUM_PAGES, 4, 2, 8, requires_grad=True)
+    pages = torch.tensor([[1, 3, 3]])
+    slots = torch.tensor([[0, 2, 3]])
+    got = _gather(cache * 1.0, KeyGather(pages, slots, None), torch.float32)
+    got.sum().backward()
+    assert cache.grad is not None
+    expected = torch.zeros_like(cache)
+    expected[pages, slots] = 1.0
+    assert torch.equal(cache.grad, expected)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridkv.ops.paged_attention.plan import AttentionPlan, DecodeBatch, KeyGather, PrefillBatch
-from hybridkv.ops.row_copy import index_select_rows
+from hybridkv.ops.row_copy import index_select_rows, needs_grad
 
 
 def store_kv(
@@ -48,8 +48,9 @@ def paged_attention(
 
 
 def _gather(cache: Tensor, keys: KeyGather, dtype: torch.dtype) -> Tensor:
-    """[n, Lk, Hkv, d] -> [n, Hkv, Lk, d] in the query dtype."""
-    slots = _slot_rows(cache)
+    """[n, Lk, Hkv, d] -> [n, Hkv, Lk, d] in the query dtype (advanced indexing when
+    autograd tracks the cache: ``index_select(out=...)`` does not record a graph)."""
+    slots = None if needs_grad(cache) else _slot_rows(cache)
     if slots is None:
         gathered = cache[keys.pages, keys.slots]
     else:  # one index_select over slot rows: per row, not per element (ops/row_copy.py)
