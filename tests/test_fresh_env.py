@@ -94,6 +94,12 @@ EXAMPLES: dict[str, Example] = {
             "--json --scale 0.1",
             SMALLER_TRACE,
         ),
+    "hybridkv simulate --model qwen3.5-27b --trace system-prompt --memory-gib 16 --sweep "
+    "--json": Example(
+        "hybridkv simulate --model qwen3.5-27b --trace system-prompt --memory-gib 16 --sweep "
+        "--json --scale 0.1",
+        SMALLER_TRACE,
+    ),
     "hybridkv simulate --model qwen3.5-27b --trace system-prompt --memory-gib 16 --json":
         AS_WRITTEN,
     "hybridkv simulate --model qwen3.5-27b --trace system-prompt --memory-gib 16 --designs "
