@@ -87,20 +87,7 @@ def test_users_behind_a_system_prompt_hit_its_branch_point(arch: str, checkpoint
     tokens): the first user caches its KV only; the second finds it shared and snapshots
     its end (96 = 12 blocks of 8) inside its own prefill chunk; the third and fourth resume
     there. Outputs equal cache off and transformers."""
-    hf, path = checkpoints(arch)
-    system = prompt(101, 100)
-    on = LLM(str(path), **DEFAULTS)
-    off = LLM(str(path), enable_prefix_caching=False, **DEFAULTS)
-    cached = []
-    for i in range(4):
-        p = system + prompt(40 + i, 9 + i)
-        [got] = on.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
-        [ref] = off.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
-        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
-        assert_transformers_greedy(hf, p, got.outputs[0].token_ids)
-        cached.append(got.num_cached_tokens)
-    assert cached == [0, 0, 96, 96]
-    assert_all_released(on)
+    assert users_behind_a_system_prompt(*checkpoints(arch)) == [0, 0, 96, 96]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -121,20 +108,7 @@ def test_prefill_grid_snapshots_equal_cache_off(
         )
 
     monkeypatch.setattr(EngineConfig, "checkpoint_policy", property(grid_policy))
-    hf, path = checkpoints(arch)
-    system = prompt(101, 100)
-    on = LLM(str(path), **DEFAULTS)
-    off = LLM(str(path), enable_prefix_caching=False, **DEFAULTS)
-    cached = []
-    for i in range(4):
-        p = system + prompt(40 + i, 9 + i)
-        [got] = on.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
-        [ref] = off.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
-        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
-        assert_transformers_greedy(hf, p, got.outputs[0].token_ids)
-        cached.append(got.num_cached_tokens)
-    assert cached == [0, 80, 96, 96]
-    assert_all_released(on)
+    assert users_behind_a_system_prompt(*checkpoints(arch)) == [0, 80, 96, 96]
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["cache_on", "cache_off"])
@@ -148,6 +122,25 @@ def test_a_fresh_prompt_gets_its_first_token_in_one_step(caching: bool, checkpoi
     assert len(out.outputs[0].token_ids) == 1
     assert engine.num_steps == 1
     assert engine.manager.usage().snapshots_taken == (1 if caching else 0)
+
+
+def users_behind_a_system_prompt(hf: Any, path: Any) -> list[int]:
+    """Four users, one after another, behind a 100-token system prompt: each reply equals
+    cache off's and transformers'; returns the cached tokens of each, with every page
+    released at the end."""
+    system = prompt(101, 100)
+    on = LLM(str(path), **DEFAULTS)
+    off = LLM(str(path), enable_prefix_caching=False, **DEFAULTS)
+    cached = []
+    for i in range(4):
+        p = system + prompt(40 + i, 9 + i)
+        [got] = on.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
+        [ref] = off.generate([{"prompt_token_ids": p}], GREEDY, use_tqdm=False)
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids
+        assert_transformers_greedy(hf, p, got.outputs[0].token_ids)
+        cached.append(got.num_cached_tokens)
+    assert_all_released(on)
+    return cached
 
 
 def assert_transformers_greedy(hf: Any, prompt_ids: list[int], reply: list[int]) -> None:
