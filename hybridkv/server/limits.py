@@ -47,8 +47,7 @@ class BodyLimitMiddleware:
             return
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.body_timeout_s
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         too_large = f"the request body exceeds {self.max_body_bytes} bytes"
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._drain(receive, 0, deadline)
@@ -57,9 +56,8 @@ class BodyLimitMiddleware:
         chunks: list[bytes] = []
         size = 0
         while True:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
+            message = await _receive_by(receive, deadline)
+            if message is None:
                 await self._reject(
                     send, 408, f"the request body did not arrive within {self.body_timeout_s:g} s"
                 )
@@ -91,13 +89,11 @@ class BodyLimitMiddleware:
     async def _drain(self, receive: Any, size: int, deadline: float) -> None:
         """Read and drop the rest of a rejected body: until it ends, the client leaves, the
         deadline passes or ``size`` (bytes read so far) reaches the drain bound."""
-        loop = asyncio.get_running_loop()
         while size <= DRAIN_FACTOR * self.max_body_bytes:
-            try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except TimeoutError:
+            message = await _receive_by(receive, deadline)
+            if message is None or message["type"] == "http.disconnect":
                 return
-            if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            if not message.get("more_body", False):
                 return
             size += len(message.get("body", b""))
 
@@ -115,3 +111,12 @@ class BodyLimitMiddleware:
             }
         )
         await send({"type": "http.response.body", "body": payload})
+
+
+async def _receive_by(receive: Any, deadline: float) -> Any:
+    """The next ASGI message, or None once the loop's clock has passed ``deadline``."""
+    remaining = max(0.0, deadline - asyncio.get_running_loop().time())
+    try:
+        return await asyncio.wait_for(receive(), remaining)
+    except TimeoutError:
+        return None
