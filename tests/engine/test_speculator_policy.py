@@ -101,6 +101,18 @@ class _AlwaysGuesses:
         """Nothing is kept."""
 
 
+def decoding_sequence(index: int) -> Sequence:
+    """A sequence past its prompt, decoding (what :meth:`Speculator.plan` drafts for)."""
+    seq = Sequence(f"s{index}", "r", index, [1, 2, 3], SamplingParams(), output_token_ids=[4])
+    seq.num_computed = seq.num_tokens - 1
+    return seq
+
+
+def plain_chunk(seq: Sequence) -> ScheduledChunk:
+    """What :meth:`Speculator.record_plain` reads of a plain decode's chunk: its sequence."""
+    return cast(ScheduledChunk, SimpleNamespace(seq=seq))
+
+
 def test_noisy_cost_fit_does_not_stop_speculation_for_good() -> None:
     """Regression (21:35 run of benchmarks/spec_decode.py): a few noisy verification steps
     fitted a steep cost line and nothing was verified for the rest of the run. Such a fit
@@ -108,12 +120,8 @@ def test_noisy_cost_fit_does_not_stop_speculation_for_good() -> None:
     the exploring steps (cheap, as verification really is) feed the fit, and it verifies
     by itself again."""
     spec = Speculator(_AlwaysGuesses(), 2, cost_per_draft=0.05)
-    seqs = []
-    for i in range(4):
-        seq = Sequence(f"s{i}", "r", i, [1, 2, 3], SamplingParams(), output_token_ids=[4])
-        seq.num_computed = seq.num_tokens - 1
-        seqs.append(seq)
-    chunks = [cast(ScheduledChunk, SimpleNamespace(seq=seq)) for seq in seqs]
+    seqs = [decoding_sequence(i) for i in range(4)]
+    chunks = [plain_chunk(seq) for seq in seqs]
 
     def plain_step(step: int) -> None:  # four guesses in five are right: acceptance ~0.8
         for chunk in chunks:
@@ -145,9 +153,8 @@ def test_no_exploration_when_drafts_do_not_pay_by_the_prior_either() -> None:
     """Nothing to copy: every free guess is wrong, the prior declines too, so the
     speculator never verifies (the >= 0.95x floor with nothing to copy)."""
     spec = Speculator(_AlwaysGuesses(), 4, cost_per_draft=0.05)
-    seq = Sequence("a", "r", 0, [1, 2, 3], SamplingParams(), output_token_ids=[4])
-    seq.num_computed = seq.num_tokens - 1
-    chunk = cast(ScheduledChunk, SimpleNamespace(seq=seq))
+    seq = decoding_sequence(0)
+    chunk = plain_chunk(seq)
     verified = 0
     for _ in range(200):
         spec.plan([seq], lambda s: 4)
