@@ -10,7 +10,7 @@ from torch import Tensor
 
 from hybridkv.ops.causal_conv1d import causal_conv1d_fn, causal_conv1d_update, causal_conv1d_varlen
 from hybridkv.ops.causal_conv1d import paged as conv_module
-from hybridkv.ops.paged_state import StateBatch
+from hybridkv.ops.paged_state import StateBatch, StateCaptures
 
 C, K = 10, 4
 
@@ -109,3 +109,52 @@ def test_varlen_equals_each_request_alone(
         return causal_conv1d_fn(x[part], weight, b, init, "silu")
 
     check_varlen_batch((C, K - 1), page_dtype, run_varlen, run_alone, with_captures)
+
+
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
+@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decode_step_equals_block_path_and_reference(page_dtype: torch.dtype, bias: bool) -> None:
+    """A step where every request decodes takes the one-token path: its outputs, live pages
+    and final-row captures equal the block path's bit for bit (the same requests run with
+    a multi-token request beside them) and the reference; fresh pages are NaN-poisoned and
+    pages nobody holds stay untouched. Channels are a multiple of 16 so that both paths'
+    elementwise kernels run fully vectorised (a scalar tail may round a product apart from
+    its fused vector lane)."""
+    channels = 32
+    gen = torch.Generator().manual_seed(3)
+    weight, b = torch.randn(channels, K, generator=gen), torch.randn(channels, generator=gen)
+    b = b if bias else None
+    carried = [True, False, True, True, False]
+    live, capture_pages, unused = [6, 0, 3, 8, 1], [2, 9], [4, 5, 7]
+    x = torch.randn(len(carried) + 3, channels, generator=gen)  # the decodes' rows, then 3 more
+
+    def run(with_prefill: bool) -> tuple[Tensor, Tensor]:
+        view = torch.full((11, channels, K - 1), float("nan"), dtype=page_dtype)
+        torch.manual_seed(5)
+        for r, page in enumerate(live):
+            if carried[r]:
+                view[page] = torch.randn(channels, K - 1).to(page_dtype)
+        lens = [1] * len(carried) + ([3] if with_prefill else [])
+        pages = live + ([10] if with_prefill else [])
+        starts = [0, *torch.tensor(lens).cumsum(0).tolist()]
+        captures = StateCaptures(torch.tensor([0, 3]), torch.tensor(capture_pages))
+        states = StateBatch(starts, torch.tensor(pages), [*carried, False][: len(lens)], captures)
+        out = causal_conv1d_varlen(x[: starts[-1]], view, states, weight, b, "silu")
+        return out[: len(carried)], view
+
+    fast, fast_view = run(with_prefill=False)
+    general, general_view = run(with_prefill=True)
+    assert torch.equal(fast, general)
+    for page in live + capture_pages:
+        assert torch.equal(fast_view[page], general_view[page])
+    for page in unused:
+        assert torch.isnan(fast_view[page]).all()
+    torch.manual_seed(5)
+    initial = {r: torch.randn(channels, K - 1).to(page_dtype) for r in range(len(carried)) if carried[r]}
+    for r, page in enumerate(live):
+        init = initial[r].float() if carried[r] else None
+        want, state = causal_conv1d_fn(x[r : r + 1], weight, b, init, "silu")
+        torch.testing.assert_close(fast[r], want[0])
+        torch.testing.assert_close(fast_view[page].float(), state.to(page_dtype).float())
+    for row, page in zip([0, 3], capture_pages, strict=True):
+        assert torch.equal(fast_view[page], fast_view[live[row]])

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from hybridkv.ops.causal_conv1d.naive import activate, causal_conv1d_fn
 from hybridkv.ops.paged_state import (
+    DecodeRows,
     StateBatch,
     needs_grad,
     read_states,
@@ -57,6 +58,10 @@ def causal_conv1d_varlen(
         return scan_each_request(out, conv_pages, states, scan)
     taps = weight.float().T.contiguous()  # [K, C]: contiguous rows vectorise the taps
     bias = None if bias is None else bias.float()
+    if states.decodes is not None and len(states.lens) == x.shape[0]:  # every request decodes
+        y = _decode_step(x, conv_pages, states.decodes, taps, bias)
+        states.copy_final_captures(conv_pages)
+        return activate(y.to(weight.dtype), activation)
     for block in states.conv(weight.shape[1], BLOCK_TOKENS):
         fresh = None if states.fresh is None else states.fresh[block.reqs]
         y = _conv_block(
@@ -64,6 +69,33 @@ def causal_conv1d_varlen(
         )
         out[block.rows] = activate(y.to(weight.dtype), activation)
     return out
+
+
+def _decode_step(
+    x: Tensor, conv_pages: Tensor, decodes: DecodeRows, taps: Tensor, bias: Tensor | None
+) -> Tensor:
+    """A step of one-token requests (rows in request order): the conv sums [B, C] in fp32;
+    each state shifted by one input and written back.
+
+    The sum runs tap by tap in the same order as :func:`_conv_block` (the newest input's
+    tap first, then the carried inputs oldest first), so the two paths agree bit for bit;
+    this one skips the block layout's row copies and transposes, which cost more than the
+    arithmetic at decode sizes.
+    """
+    keep = taps.shape[0] - 1
+    carried = read_states(conv_pages, decodes.pages, decodes.fresh, "conv.decode")  # [B, C, K-1]
+    xf = x.float()
+    columns = carried.permute(2, 0, 1).contiguous()  # [K-1, B, C]: rows the taps vectorise over
+    acc = torch.mul(xf, taps[keep])
+    for tap in range(keep):
+        acc.addcmul_(columns[tap], taps[tap])
+    if bias is not None:
+        acc.add_(bias)
+    shifted = WORKSPACE.get("conv.decode.next", tuple(carried.shape), torch.float32, x.device)
+    shifted[:, :, : keep - 1] = carried[:, :, 1:]
+    shifted[:, :, keep - 1] = xf
+    write_states(conv_pages, decodes.pages, shifted, "conv.decode")
+    return acc
 
 
 def _conv_block(
