@@ -150,7 +150,9 @@ def test_decode_step_equals_block_path_and_reference(page_dtype: torch.dtype, bi
     for page in unused:
         assert torch.isnan(fast_view[page]).all()
     torch.manual_seed(5)
-    initial = {r: torch.randn(channels, K - 1).to(page_dtype) for r in range(len(carried)) if carried[r]}
+    initial = {
+        r: torch.randn(channels, K - 1).to(page_dtype) for r in range(len(carried)) if carried[r]
+    }
     for r, page in enumerate(live):
         init = initial[r].float() if carried[r] else None
         want, state = causal_conv1d_fn(x[r : r + 1], weight, b, init, "silu")
