@@ -160,3 +160,21 @@ def test_decode_step_equals_block_path_and_reference(page_dtype: torch.dtype, bi
         torch.testing.assert_close(fast_view[page].float(), state.to(page_dtype).float())
     for row, page in zip([0, 3], capture_pages, strict=True):
         assert torch.equal(fast_view[page], fast_view[live[row]])
+
+
+def test_empty_request_beside_a_decode_takes_the_block_path() -> None:
+    """A step with as many requests as rows is not all decodes when one request has no rows:
+    [0, 1, 2] rows must run the block path (the one-token path once took it and failed)."""
+    channels = 32
+    gen = torch.Generator().manual_seed(6)
+    weight = torch.randn(channels, K, generator=gen)
+    x = torch.randn(3, channels, generator=gen)
+    view = torch.randn(5, channels, K - 1, generator=gen)
+    before = view.clone()
+    states = StateBatch([0, 0, 1, 3], torch.tensor([0, 2, 4]), [True, True, True])
+    out = causal_conv1d_varlen(x, view, states, weight, None, "silu")
+    for rows, page in ((slice(0, 1), 2), (slice(1, 3), 4)):
+        want, state = causal_conv1d_fn(x[rows], weight, None, before[page], "silu")
+        torch.testing.assert_close(out[rows], want)
+        torch.testing.assert_close(view[page], state)
+    assert torch.equal(view[0], before[0])

@@ -58,8 +58,9 @@ def causal_conv1d_varlen(
         return scan_each_request(out, conv_pages, states, scan)
     taps = weight.float().T.contiguous()  # [K, C]: contiguous rows vectorise the taps
     bias = None if bias is None else bias.float()
-    if states.decodes is not None and len(states.lens) == x.shape[0]:  # every request decodes
-        y = _decode_step(x, conv_pages, states.decodes, taps, bias)
+    decodes = states.decodes
+    if decodes is not None and decodes.rows.numel() == x.shape[0]:  # every row a decode
+        y = _decode_step(x, conv_pages, decodes, taps, bias)
         states.copy_final_captures(conv_pages)
         return activate(y.to(weight.dtype), activation)
     for block in states.conv(weight.shape[1], BLOCK_TOKENS):
