@@ -113,6 +113,9 @@ class EngineConfig:
         mamba_ssm_cache_dtype: recurrent (SSM) state dtype; 'auto': float32 for a float32
             model, else the model family's rule (the checkpoint's mamba_ssm_dtype if any).
         device: torch device ('cpu', 'cuda', ...).
+        pack_weights: on the CPU, lay the large linear weights out once in oneDNN's blocked
+            format (faster matmuls, no extra memory; see hybridkv.layers.packed_linear).
+            Off: plain F.linear, for comparison and debugging.
         tensor_parallel_size: accepted for vLLM command lines; only 1 (one device) runs.
         generation_config: default sampling parameters: 'auto' reads the checkpoint's
             generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
@@ -131,9 +134,6 @@ class EngineConfig:
         seed: seeds the sampling of requests without a seed of their own.
         poison_cache: fill the arena with 0xFF bytes (NaN in every float dtype) at start,
             so a read of cache memory nobody wrote shows up as NaN logits (tests, debugging).
-        speculative_config: speculative decoding, vLLM's JSON object: '{"method": "ngram",
-            "num_speculative_tokens": 4, "prompt_lookup_max": 4}' or '{"method":
-            "draft_model", "model": DIR, "num_speculative_tokens": 4}'; default off.
         speculative_config: speculative decoding, vLLM's dict (``{"method": "ngram",
             "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model": DIR,
             ...}``, see :class:`SpeculativeConfig`); None: off.
@@ -153,6 +153,7 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     mamba_ssm_cache_dtype: str = field(default="auto", metadata={"choices": MAMBA_SSM_CACHE_DTYPES})
     device: str = "cpu"
+    pack_weights: bool = True
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
     generation_config: str = field(default="auto", metadata={"metavar": "auto|vllm|PATH"})
     override_generation_config: dict[str, Any] | None = field(

@@ -102,6 +102,7 @@ class LLMEngine:
             kv_dtype=loader_cache_dtype(config.kv_cache_dtype),
             ssm_dtype=loader_cache_dtype(config.mamba_ssm_cache_dtype),
             tokenizer_dir=config.tokenizer,
+            pack_weights=config.pack_weights,
         )
         self.model_config = loaded.config
         self.spec = loaded.spec

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.layers.norm import RMSNorm
+from hybridkv.layers.packed_linear import keep_plain
 from hybridkv.ops.causal_conv1d import causal_conv1d_varlen
 from hybridkv.ops.mamba1 import SelectiveScanParams, selective_scan_varlen
 
@@ -55,7 +56,7 @@ class Mamba1Mixer(nn.Module):
         self.in_proj = nn.Linear(cfg.hidden_size, 2 * inner, bias=cfg.proj_bias)
         self.conv1d = nn.Conv1d(inner, inner, cfg.conv_kernel, groups=inner, bias=cfg.conv_bias)
         self.x_proj = nn.Linear(inner, cfg.dt_rank + 2 * n, bias=False)
-        self.dt_proj = nn.Linear(cfg.dt_rank, inner, bias=True)
+        self.dt_proj = keep_plain(nn.Linear(cfg.dt_rank, inner, bias=True))  # read by weight
         self.A_log = nn.Parameter(torch.log(torch.arange(1, n + 1).float()).repeat(inner, 1))
         self.D = nn.Parameter(torch.ones(inner))
         self.out_proj = nn.Linear(inner, cfg.hidden_size, bias=cfg.proj_bias)

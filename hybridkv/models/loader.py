@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from hybridkv.core.model_config import flatten_text_config, model_spec_from_config
 from hybridkv.core.spec import ModelSpec, canonical_dtype
 from hybridkv.forward.views import TORCH_DTYPES
+from hybridkv.layers.packed_linear import pack_linears
 from hybridkv.models.base import CausalLM
 from hybridkv.models.registry import model_class
 from hybridkv.models.tokenizer import Tokenizer
@@ -138,6 +139,7 @@ def load_model(
     kv_dtype: str | None = None,
     ssm_dtype: str | None = None,
     tokenizer_dir: str | Path | None = None,
+    pack_weights: bool = True,
 ) -> LoadedModel:
     """Build the model of ``model_dir`` in ``dtype`` and load its weights.
 
@@ -145,7 +147,9 @@ def load_model(
     built on the CPU; the caller moves it). Cache dtypes: KV (``kv_dtype``, default the model
     dtype) and conv state in ``dtype``; the SSM state ``ssm_dtype``, default the core's family
     rule, except that an fp32 model keeps everything in fp32. The tokenizer is read from
-    ``tokenizer_dir`` if given, else from ``model_dir`` (none there: no tokenizer).
+    ``tokenizer_dir`` if given, else from ``model_dir`` (none there: no tokenizer). On the
+    CPU, ``pack_weights`` lays the large linear weights out once for oneDNN
+    (:mod:`hybridkv.layers.packed_linear`): faster, inference only.
 
     Raises:
         ValueError: unsupported dtype or model type.
@@ -174,13 +178,15 @@ def load_model(
     model.load_weights(iter_safetensors(files, progress=len(files) > 1 and sys.stderr.isatty()))
     model.to(device)  # the buffers; the parameters are there already
     model.eval()
+    packed = pack_linears(model) if pack_weights and device == "cpu" else 0
     logger.info(
-        "loaded %s in %.1f s: %.2f GiB of %s weights from %d shard(s)",
+        "loaded %s in %.1f s: %.2f GiB of %s weights from %d shard(s), %d linear(s) packed",
         model_dir,
         time.perf_counter() - start,
         sum(p.numel() * p.element_size() for p in model.parameters()) / (1 << 30),
         dtype,
         len(files),
+        packed,
     )
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else model_dir
     tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None

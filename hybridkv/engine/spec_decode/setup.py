@@ -54,6 +54,7 @@ class SpeculativeSetup:
             device=engine.device,
             kv_dtype=loader_cache_dtype(engine.kv_cache_dtype),
             ssm_dtype=loader_cache_dtype(engine.mamba_ssm_cache_dtype),
+            pack_weights=engine.pack_weights,
         )
         check_vocabulary(target, draft, config.model)
         return cls(config, with_draft(target.spec, draft.spec), target, draft)

@@ -1,0 +1,120 @@
+"""Pre-packed oneDNN linears: the same products as ``F.linear``, packed only where safe.
+
+bf16 products are bit-identical; fp32 ones agree to rounding (oneDNN and the BLAS sum in
+other orders) and, packed, do not depend on how many rows share the call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybridkv.layers.packed_linear import PackedLinear, keep_plain, pack_linears
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
+)
+
+
+def packed(linear: nn.Linear) -> PackedLinear:
+    module = PackedLinear.from_linear(linear)
+    assert module is not None
+    return module
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, 130])
+def test_bf16_products_are_bit_identical(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(packed(linear)(x), linear(x))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 64, 130])
+def test_fp32_products_agree_to_rounding(rows: int) -> None:
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_gets_the_same_product_in_any_batch(dtype: torch.dtype) -> None:
+    """Whatever the number of rows in the call, so a request's logits do not depend on
+    what else shares its step (the cache-on == cache-off tests rely on exact tokens)."""
+    torch.manual_seed(0)
+    module = packed(nn.Linear(256, 512, bias=False).to(dtype))
+    x = torch.randn(200, 256, dtype=dtype)
+    with torch.inference_mode():
+        full = module(x)
+        for rows in (1, 2, 3, 5, 17, 64):
+            assert torch.equal(module(x[:rows]), full[:rows]), rows
+
+
+def test_strided_and_batched_inputs() -> None:
+    torch.manual_seed(1)
+    linear = nn.Linear(64, 32).to(torch.bfloat16)
+    module = packed(linear)
+    wide = torch.randn(5, 128, dtype=torch.bfloat16)
+    batched = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert torch.equal(module(wide[:, ::2]), linear(wide[:, ::2]))
+        assert torch.equal(module(batched), linear(batched))
+
+
+class Tiny(nn.Module):
+    """Every case pack_linears must tell apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 64)
+        self.big = nn.Linear(64, 64)
+        self.small = nn.Linear(64, 2)
+        self.read_by_weight = keep_plain(nn.Linear(64, 64))
+        self.shared = nn.Linear(64, 64, bias=False)
+        self.block_a = nn.Sequential(self.shared)
+        self.block_b = nn.Sequential(self.shared)
+        self.head = nn.Linear(64, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = self.big(h) + F.linear(h, self.read_by_weight.weight)
+        h = self.block_b(self.block_a(h))
+        return self.head(h) + self.small(h).sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_linears_packs_what_nothing_else_reads(dtype: torch.dtype) -> None:
+    torch.manual_seed(2)
+    model = Tiny().to(dtype).eval()
+    ids = torch.randint(0, 50, (7,))
+    with torch.inference_mode():
+        before = model(ids)
+    assert pack_linears(model, min_elements=1000) == 2  # big, shared (once)
+    assert isinstance(model.big, PackedLinear)
+    assert isinstance(model.shared, PackedLinear)
+    assert model.block_a[0] is model.block_b[0] is model.shared  # one packed module, shared
+    assert type(model.small) is nn.Linear  # 128 elements: below min_elements
+    assert type(model.read_by_weight) is nn.Linear  # keep_plain
+    assert type(model.head) is nn.Linear and model.head.weight is model.embed.weight  # tied
+    with torch.inference_mode():
+        after = model(ids)
+    if dtype == torch.bfloat16:
+        assert torch.equal(after, before)
+    else:
+        torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weights_replace_the_plain_ones() -> None:
+    """No second copy: the plain weight is gone from the model, the packed one counted."""
+    model = nn.Sequential(nn.Linear(512, 512, bias=False)).to(torch.bfloat16)
+    plain = model[0].weight
+    assert pack_linears(model) == 1
+    params = list(model.parameters())
+    assert len(params) == 1 and params[0] is not plain and params[0].numel() == 512 * 512
