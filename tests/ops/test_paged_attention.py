@@ -1,7 +1,8 @@
 """Paged attention == dense causal attention; never reads unwritten slots or -1 pages.
 
-The batched op (one SDPA call for the decodes, one padded call for the prefill chunks) is
-checked against the per-request reference and against dense attention on ragged steps:
+The batched op (one SDPA call for the decodes, one padded call per batch of similar prefill
+chunks) is checked against the per-request reference and against dense attention on ragged
+steps, with the prefills in one batch and split into several:
 fresh prefills of different lengths, chunks after a cached prefix, decodes, sliding
 windows, GQA, a value dim unlike the key dim, all in an arena of NaN with pages scattered.
 """
@@ -18,6 +19,7 @@ from hybridkv.ops.paged_attention import (
     build_attention_plan,
     paged_attention,
     paged_attention_reference,
+    plan,
     store_kv,
     store_kv_reference,
 )
@@ -127,9 +129,22 @@ STEPS = {
 }
 
 
+@pytest.fixture(params=["one_prefill_batch", "split_prefills"])
+def split_prefills(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """The tests' steps are small enough for one prefill batch; "split_prefills" gives every
+    prefill shape a batch of its own (no padding allowed)."""
+    split = request.param == "split_prefills"
+    if split:
+        monkeypatch.setattr(plan, "PADDING_SLACK", 1.0)
+        monkeypatch.setattr(plan, "SMALL_BATCH_SCORES", 0)
+    return split
+
+
 @pytest.mark.parametrize("window", [None, 5, 64], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("name", list(STEPS))
-def test_batched_matches_reference_and_dense(name: str, window: int | None) -> None:
+def test_batched_matches_reference_and_dense(
+    name: str, window: int | None, split_prefills: bool
+) -> None:
     computed, new = STEPS[name]
     batched_step = Step(computed, new, window, seed=len(name))
     out = batched_step.run_batched()
@@ -155,11 +170,41 @@ def test_bf16_batched_matches_reference(name: str) -> None:
 
 def test_plan_uses_causal_rule_only_without_a_prefix() -> None:
     fresh = Step([0, 0], [3, 5], None)
-    plan = build_attention_plan(fresh.tables, fresh.starts, fresh.total, fresh.positions, B, None)
-    assert plan.prefill is not None and plan.prefill.keys.mask is None and plan.decode is None
+    built = build_attention_plan(fresh.tables, fresh.starts, fresh.total, fresh.positions, B, None)
+    [prefill] = built.prefills
+    assert prefill.keys.mask is None and built.decode is None
     resumed = Step([0, 4], [3, 5], None)
-    plan = build_attention_plan(
+    built = build_attention_plan(
         resumed.tables, resumed.starts, resumed.total, resumed.positions, B, None
     )
-    assert plan.prefill is not None and plan.prefill.keys.mask is not None
-    assert plan.prefill.keys.mask.shape == (2, 1, 5, 9)
+    [prefill] = built.prefills
+    assert prefill.keys.mask is not None and prefill.keys.mask.shape == (2, 1, 5, 9)
+
+
+def test_split_prefill_batches_choose_the_causal_rule_each() -> None:
+    """A fresh chunk batched apart from a resumed one keeps SDPA's own causal rule."""
+    step = Step([0, 700], [300, 20], None)
+    built = build_attention_plan(step.tables, step.starts, step.total, step.positions, B, None)
+    assert [p.query_rows.shape for p in built.prefills] == [(1, 300), (1, 20)]
+    assert built.prefills[0].keys.mask is None
+    assert built.prefills[1].keys.mask is not None
+
+
+def test_prefill_groups_bound_the_padding() -> None:
+    # issue 13's W3 step: one 554-token chunk and 31 of 50 tokens, all after 1500 cached
+    shapes = [(554, 2054)] + [(50, 1550)] * 31
+    groups = plan.prefill_groups(shapes, list(range(100, 132)))
+    assert groups == [[100], list(range(101, 132))]
+    # equal shapes: one batch; small steps: one batch whatever the shapes
+    assert plan.prefill_groups([(128, 128)] * 64, list(range(64))) == [list(range(64))]
+    assert plan.prefill_groups([(9, 9), (2, 2), (40, 45)], [0, 1, 2]) == [[0, 1, 2]]
+    # ragged lengths: every request once, each batch in step order, padding within bounds
+    shapes = [(q, q + 100 * (q % 3)) for q in (700, 30, 420, 64, 900, 65, 300, 2, 128)]
+    groups = plan.prefill_groups(shapes, list(range(len(shapes))))
+    assert sorted(r for g in groups for r in g) == list(range(len(shapes)))
+    for group in groups:
+        assert group == sorted(group)
+        real = sum(shapes[r][0] * shapes[r][1] for r in group)
+        padded = len(group) * max(shapes[r][0] for r in group) * max(shapes[r][1] for r in group)
+        assert padded <= max(plan.PADDING_SLACK * real, real + plan.SMALL_BATCH_SCORES)
+    assert 1 < len(groups) < len(shapes)

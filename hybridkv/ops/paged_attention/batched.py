@@ -1,4 +1,4 @@
-"""Paged attention over a whole step: one SDPA call for the decodes, one for the prefills.
+"""Paged attention over a whole step: one SDPA call for the decodes, one per prefill batch.
 
 The index tensors come from an :class:`~hybridkv.ops.paged_attention.plan.AttentionPlan`
 built once per step and attention group; a layer gathers its K/V pages with them and
@@ -42,8 +42,8 @@ def paged_attention(
     out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
     if plan.decode is not None:
         out[plan.decode.rows] = _decode(query, key_cache, value_cache, plan.decode, scale)
-    if plan.prefill is not None:
-        out[plan.prefill.out_rows] = _prefill(query, key_cache, value_cache, plan.prefill, scale)
+    for prefill in plan.prefills:
+        out[prefill.out_rows] = _prefill(query, key_cache, value_cache, prefill, scale)
     return out
 
 

@@ -12,6 +12,11 @@ Requests are split in two batches (rows of the step are request-major)::
                                  (right-padded to the longest chunk; or no mask, SDPA's own
                                  causal rule, when every chunk starts at position 0)
 
+The prefills are split into a few such batches of similar shapes (:func:`prefill_groups`):
+one padded batch of a 554-token chunk beside 31 chunks of 50 tokens, each after a
+1500-token cached prefix, would compute 32 x 554 x 1554 scores for 2.1 M real ones (the
+W3 workload of issue 13: that step took 2.0 s, more than a 4096-token step).
+
 Padding never reads a slot nobody wrote: a padding key column re-reads the request's first
 needed key, a padding query row repeats its last query row; masks remove the columns and
 the padded rows are dropped. A NaN in an unwritten slot would survive masking
@@ -57,7 +62,7 @@ class AttentionPlan:
     write_pages: Tensor  # [T] page of each new token's K/V
     write_slots: Tensor  # [T] its slot in the page
     decode: DecodeBatch | None
-    prefill: PrefillBatch | None
+    prefills: tuple[PrefillBatch, ...]  # requests of similar shapes batched together
 
 
 def build_attention_plan(
@@ -90,10 +95,41 @@ def build_attention_plan(
         decode=_decode_batch(block_table, starts, seq_lens, decodes, block_tokens, window_tokens)
         if decodes
         else None,
-        prefill=_prefill_batch(block_table, starts, seq_lens, prefills, block_tokens, window_tokens)
-        if prefills
-        else None,
+        prefills=tuple(
+            _prefill_batch(block_table, starts, seq_lens, group, block_tokens, window_tokens)
+            for group in prefill_groups([(lens[r], seq_lens[r]) for r in prefills], prefills)
+        ),
     )
+
+
+PADDING_SLACK = 1.5  # a batch may compute this many times its requests' real scores
+SMALL_BATCH_SCORES = 1 << 16  # ... or this many scores more (less than a call's fixed cost)
+
+
+def prefill_groups(shapes: list[tuple[int, int]], requests: list[int]) -> list[list[int]]:
+    """Split prefill requests into batches whose padding stays small.
+
+    ``shapes[i]`` is request ``requests[i]``'s (queries, keys). A padded batch computes
+    ``n x max_q x max_k`` scores; requests are taken longest chunk first and a batch grows
+    while that stays within :data:`PADDING_SLACK` times the real ``sum(q x k)`` (or within
+    :data:`SMALL_BATCH_SCORES` of it). Each batch keeps the step's request order.
+    """
+    order = sorted(range(len(requests)), key=lambda i: (-shapes[i][0], -shapes[i][1]))
+    groups: list[list[int]] = []
+    members: list[int] = []
+    max_q = max_k = real = 0
+    for i in order:
+        q, k = shapes[i]
+        new_k, new_real = max(max_k, k), real + q * k
+        padded = (len(members) + 1) * max(max_q, q) * new_k
+        if members and padded > max(PADDING_SLACK * new_real, new_real + SMALL_BATCH_SCORES):
+            groups.append(members)
+            members, max_q, new_k, new_real = [], q, k, q * k
+        members.append(i)
+        max_q, max_k, real = max(max_q, q), new_k, new_real
+    if members:
+        groups.append(members)
+    return [[requests[i] for i in sorted(group)] for group in groups]
 
 
 def _key_columns(
