@@ -173,6 +173,11 @@ class CacheManager:
         # before it is cached (branch points, CheckpointPolicy.at_branch_points)
         self._inflight: Counter[BlockHash] = Counter()
         self._inflight_parents: Counter[BlockHash] = Counter()  # ... with a next block there
+        # prompt blocks of waiting requests the scheduler announced: a prefix they share
+        # with a request being admitted is a branch point too (announce, awaits_prefix)
+        self._announced: dict[ReqId, list[BlockHash]] = {}
+        self._queued: Counter[BlockHash] = Counter()
+        self._queued_parents: Counter[BlockHash] = Counter()
         self.stats = CacheStats()
 
     def _make_group(self, group: GroupSpec) -> GroupManager:
@@ -187,9 +192,53 @@ class CacheManager:
 
     # ------------------------------------------------------------------ requests
 
+    def announce(self, req_id: ReqId, prompt_token_ids: Sequence[int]) -> None:
+        """A request waits for admission with this prompt (until :meth:`add_request` or
+        :meth:`withdraw`).
+
+        What waits counts as shared when a request is admitted: 32 requests behind one
+        1500-token prefix arrive together, and the first one admitted snapshots where
+        they branch off it, so the others can resume there (:meth:`awaits_prefix`).
+        """
+        if not (self.config.enable_prefix_caching and self.recurrent):
+            return
+        self.withdraw(req_id)
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, self._root, prompt_token_ids, self.block_tokens)
+        self._announced[req_id] = hashes
+        self._queued.update(hashes)
+        self._queued_parents.update(hashes[:-1])
+
+    def withdraw(self, req_id: ReqId) -> None:
+        """The announced request is admitted or gone."""
+        hashes = self._announced.pop(req_id, None)
+        if hashes is not None:
+            _forget(self._queued, hashes)
+            _forget(self._queued_parents, hashes[:-1])
+
+    def awaits_prefix(self, req_id: ReqId) -> bool:
+        """Whether the announced request should wait: a started request is computing a
+        prefix of its prompt and will snapshot exactly where that prefix ends (its
+        branch point), so admitting this one a step or two later turns the prefix into a
+        hit instead of computing it twice."""
+        hashes = self._announced.get(req_id)
+        if not hashes:
+            return False
+        shared = 0
+        while shared < len(hashes) and hashes[shared] in self._inflight:
+            shared += 1
+        target = shared * self.block_tokens
+        return shared > 0 and any(
+            req.started
+            and req.num_computed < target == req.branch_tokens
+            and req.hashes[shared - 1] == hashes[shared - 1]
+            for req in self._reqs.values()
+        )
+
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int]) -> None:
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} is already in the cache")
+        self.withdraw(req_id)
         req = CachedRequest(tokens=list(prompt_token_ids), prompt_len=len(prompt_token_ids))
         extend_block_hashes(req.hashes, self._root, req.tokens, self.block_tokens)
         self._reqs[req_id] = req
@@ -329,8 +378,9 @@ class CacheManager:
 
         Marconi's speculative insertion (MLSys'25, §4.2) at block granularity: the
         prompt's blocks are shared up to L (each cached in a token group, or in the prompt
-        of a started request: a prefix being computed counts before it is cached), and
-        another sequence continues past L with a different block. L is then a node where
+        of a started request: a prefix being computed counts before it is cached, or of a
+        waiting one: a prefix about to be computed counts too), and another sequence
+        continues past L with a different block. L is then a node where
         sequences branch (a system prompt, a tool list, few-shot examples), and its state
         is worth a snapshot. When nothing continues past L, the prompt merely extends a
         sequence that ended there (the next turn of a chat whose snapshot was evicted):
@@ -349,13 +399,13 @@ class CacheManager:
         return shared
 
     def _is_shared(self, block_hash: BlockHash) -> bool:
-        if block_hash in self._inflight:
+        if block_hash in self._inflight or block_hash in self._queued:
             return True
         return any(g.pool.lookup(block_hash) is not None for g in self.token_groups.values())
 
     def _continues(self, block_hash: BlockHash) -> bool:
         """Some started prompt or cached sequence has a block after this one."""
-        if block_hash in self._inflight_parents:
+        if block_hash in self._inflight_parents or block_hash in self._queued_parents:
             return True
         return any(g.has_cached_child(block_hash) for g in self.token_groups.values())
 

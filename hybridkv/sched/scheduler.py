@@ -11,7 +11,13 @@ One step (the shape of vLLM v1 and nano-vllm)::
     then waiting, in arrival order  the prefix hit first (KV pages and a state snapshot at
                                     exactly the same length), then as much of the rest as
                                     the budget allows; stops at the first one that does not
-                                    fit (FCFS), so a long prompt is never starved
+                                    fit (FCFS), so a long prompt is never starved, and at
+                                    the first one whose prefix a running sequence is
+                                    computing and will snapshot (it resumes there a step
+                                    or two later instead of computing the prefix again)
+
+Waiting prompts are announced to the manager, so the first of many requests behind one
+shared prefix snapshots where they branch off it (``CacheManager.announce``).
 
 Speculative decoding: a decoding sequence the engine gave ``num_draft_tokens`` runs its last
 token and that many drafts as one chunk (they count against the token budget), with a
@@ -96,6 +102,7 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.manager.announce(seq.seq_id, seq.all_token_ids)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence (done or aborted) and release its pages to the prefix cache."""
@@ -104,6 +111,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
+            self.manager.withdraw(seq.seq_id)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
@@ -127,7 +135,7 @@ class Scheduler:
                 out.chunks.append(chunk)
                 budget -= chunk.num_tokens
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if self._sibling_prefilling(self.waiting[0]):
+            if self._sibling_prefilling(self.waiting[0]) or self._prefix_coming(self.waiting[0]):
                 break
             chunk = self._admit(self.waiting[0], budget, busy=bool(out.chunks), out=out)
             if chunk is None:
@@ -148,6 +156,10 @@ class Scheduler:
             other.request_id == seq.request_id and other.num_computed < len(other.prompt_token_ids)
             for other in self.running
         )
+
+    def _prefix_coming(self, seq: Sequence) -> bool:
+        """A running sequence is computing this one's prefix and will snapshot its end."""
+        return not seq.needs_prompt_logits and self.manager.awaits_prefix(seq.seq_id)
 
     def _chunk_end(self, seq: Sequence, start: int, budget: int) -> int:
         end = start + min(seq.num_tokens - start, budget)
@@ -181,6 +193,7 @@ class Scheduler:
         seq.num_draft_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+        self.manager.announce(seq.seq_id, seq.all_token_ids)
         self.num_preemptions += 1
 
     def _admit(
@@ -199,6 +212,8 @@ class Scheduler:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "abort"
                 out.rejected.append(seq)
+            else:
+                self.manager.announce(rid, seq.all_token_ids)  # it still waits
             return None
         self.waiting.popleft()
         self.running.append(seq)

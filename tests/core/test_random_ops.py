@@ -71,6 +71,7 @@ def machine(
             self.prompt_len: dict[ReqId, int] = {}
             self.next_token = 10_000
             self.holds: dict[tuple[int, int], tuple[int, ...]] = {}  # (group, page) → prefix
+            self.queued: dict[ReqId, list[int]] = {}  # announced, not added (the scheduler's queue)
 
         def _sample(self) -> int:
             self.next_token += 1
@@ -90,6 +91,34 @@ def machine(
             self.mgr.add_request(req_id, prompt)
             self.prompt_len[req_id] = len(prompt)
             return req_id
+
+        @rule(
+            prefix=st.sampled_from(range(len(PREFIXES))),
+            shared=st.integers(1, 16),
+            suffix=st.lists(st.integers(0, 3), max_size=8),
+        )
+        def announce(self, prefix: int, shared: int, suffix: list[int]) -> None:
+            """A waiting prompt: what it shares becomes a branch point of later admissions."""
+            req_id = ReqId(f"q{self.next_id}")
+            self.next_id += 1
+            self.queued[req_id] = PREFIXES[prefix][:shared] + suffix
+            self.mgr.announce(req_id, self.queued[req_id])
+
+        @precondition(lambda self: self.queued and len(self.prompt_len) < MAX_REQUESTS)
+        @rule(target=reqs)
+        def admit(self) -> ReqId:
+            req_id, prompt = next(iter(self.queued.items()))
+            del self.queued[req_id]
+            self.mgr.add_request(req_id, prompt)
+            self.prompt_len[req_id] = len(prompt)
+            return req_id
+
+        @precondition(lambda self: self.queued)
+        @rule()
+        def withdraw(self) -> None:
+            req_id = next(iter(self.queued))
+            del self.queued[req_id]
+            self.mgr.withdraw(req_id)
 
         @rule(req_id=reqs, chunk=st.integers(1, 12))
         def step(self, req_id: ReqId, chunk: int) -> None:
@@ -275,6 +304,7 @@ def machine(
         @invariant()
         def consistent(self) -> None:
             self.mgr.check_integrity()
+            assert set(self.mgr._announced) == set(self.queued)
             for group in self.mgr.groups:
                 if group.group.is_draft:
                     assert group.pool.num_cached_pages == 0, "a draft page was published"
@@ -282,6 +312,9 @@ def machine(
         def teardown(self) -> None:
             for req_id in list(self.prompt_len):
                 self.mgr.free(req_id)
+            for req_id in self.queued:
+                self.mgr.withdraw(req_id)
+            assert not self.mgr._queued and not self.mgr._queued_parents
             self.mgr.check_integrity()
             for pool in self.mgr.allocator.pools:
                 assert pool.num_used_pages == 0

@@ -23,6 +23,7 @@ from tiny import hf_logits
 from hybridkv import LLM, SamplingParams
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.engine.config import EngineConfig
+from hybridkv.layers import packed_linear
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -82,12 +83,54 @@ def test_multiturn_cache_on_equals_off_equals_transformers(arch: str, checkpoint
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_packed_weights_keep_every_answer(
+    arch: str, checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every linear pre-packed for oneDNN (the tiny models' weights are all below the size
+    packed by default, so the threshold is lowered to 0): the multi-turn scenario with the
+    cache on gives transformers' greedy answers, the same as plain weights with it off."""
+    hf, path = checkpoints(arch)
+    plain = run_scenario(LLM(str(path), enable_prefix_caching=False, pack_weights=False, **OPTIONS))
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", 0)
+    llm = LLM(str(path), **OPTIONS)
+    assert any(isinstance(m, packed_linear.PackedLinear) for m in llm.engine.runner.model.modules())
+    packed = run_scenario(llm)
+    for (p, reply, _), (_, reply_plain, cached_plain) in zip(packed, plain, strict=True):
+        assert reply == reply_plain and cached_plain == 0
+        assert_transformers_greedy(hf, p, reply)
+    assert sum(c for _, _, c in packed) > 0  # the packed run was served from the cache
+    assert_all_released(llm)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_users_behind_a_system_prompt_hit_its_branch_point(arch: str, checkpoints: Any) -> None:
     """Default snapshots, a 100-token system prompt (issue 12: three users got 0/0/0 cached
     tokens): the first user caches its KV only; the second finds it shared and snapshots
     its end (96 = 12 blocks of 8) inside its own prefill chunk; the third and fourth resume
     there. Outputs equal cache off and transformers."""
     assert users_behind_a_system_prompt(*checkpoints(arch)) == [0, 0, 96, 96]
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_users_arriving_together_behind_a_system_prompt_compute_it_once(
+    arch: str, checkpoints: Any
+) -> None:
+    """Four users submitted at once behind a 100-token system prompt (issue 13's W3 in
+    small): the first snapshots where their prompts branch (96), the others wait for it and
+    resume there. Outputs equal cache off and transformers."""
+    hf, path = checkpoints(arch)
+    system = prompt(101, 100)
+    prompts = [{"prompt_token_ids": system + prompt(40 + i, 9 + i)} for i in range(4)]
+    on = LLM(str(path), **DEFAULTS)
+    got = on.generate(prompts, GREEDY, use_tqdm=False)
+    ref = LLM(str(path), enable_prefix_caching=False, **DEFAULTS).generate(
+        prompts, GREEDY, use_tqdm=False
+    )
+    for p, out, out_off in zip(prompts, got, ref, strict=True):
+        assert out.outputs[0].token_ids == out_off.outputs[0].token_ids
+        assert_transformers_greedy(hf, p["prompt_token_ids"], out.outputs[0].token_ids)
+    assert [out.num_cached_tokens for out in got] == [0, 96, 96, 96]
+    assert_all_released(on)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

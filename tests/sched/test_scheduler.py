@@ -262,3 +262,61 @@ def test_speculation_that_does_not_fit_decodes_plainly_and_preempts_nobody() -> 
     assert [(c.num_tokens, c.num_draft_tokens) for c in out.chunks] == [(1, 0)]
     assert out.preempted == []
     mgr.check_integrity()
+
+
+def shared_prefix_requests(count: int, prefix_len: int, tail_len: int) -> list[Sequence]:
+    """``count`` requests: one prefix, then a tail of their own."""
+    prefix = tokens(prefix_len, start=500)
+    made = []
+    for i in range(count):
+        s = seq(chr(ord("a") + i), prefix_len + tail_len)
+        s.prompt_token_ids = prefix + tokens(tail_len, start=1000 + 100 * i)
+        made.append(s)
+    return made
+
+
+def test_requests_arriving_behind_one_prefix_compute_it_once() -> None:
+    """Issue 13's W3 in small: four requests behind a 10-token prefix arrive together. The
+    first one admitted snapshots where they branch off it (block 8: the waiting prompts
+    count as shared); the others wait while it computes that prefix, then resume there."""
+    mgr = make_manager(num_chunks=16)
+    sched = scheduler(mgr, max_num_batched_tokens=64)
+    requests = shared_prefix_requests(4, 10, 3)
+    for s in requests:
+        sched.add(s)
+    out = run_step(sched)
+    assert work(out) == [("a", 0, 13)]  # the budget had room for all four: they wait
+    assert [s.position for s in out.chunks[0].allocation.snapshots] == [8, 12]
+    out = run_step(sched)
+    assert work(out) == [("a", 13, 1), ("b", 8, 5), ("c", 8, 5), ("d", 8, 5)]
+    assert [s.num_cached_tokens for s in requests] == [0, 8, 8, 8]
+    mgr.check_integrity()
+
+
+def test_without_a_shared_prefix_nothing_waits() -> None:
+    mgr = make_manager(num_chunks=16)
+    sched = scheduler(mgr, max_num_batched_tokens=64)
+    for i, s in enumerate(shared_prefix_requests(3, 0, 9)):
+        s.prompt_token_ids = tokens(9, start=2000 + 100 * i)
+        sched.add(s)
+    assert work(run_step(sched)) == [("a", 0, 9), ("b", 0, 9), ("c", 0, 9)]
+    mgr.check_integrity()
+
+
+def test_a_waiting_request_stops_waiting_when_the_prefix_computer_is_preempted() -> None:
+    """The prefix being computed is the only reason to wait: once its computer is gone
+    (preempted, aborted), the waiting request is admitted and computes it itself, and every
+    announcement is withdrawn when the requests end."""
+    mgr = make_manager(num_chunks=16)
+    sched = scheduler(mgr, max_num_batched_tokens=6)
+    first, second = shared_prefix_requests(2, 10, 3)
+    sched.add(first)
+    sched.add(second)
+    assert work(run_step(sched)) == [("a", 0, 6)]  # a chunk of the prefix; b waits
+    assert mgr.awaits_prefix(second.seq_id)
+    sched.finish(first, "abort")
+    assert not mgr.awaits_prefix(second.seq_id)
+    assert work(run_step(sched)) == [("b", 0, 6)]
+    sched.finish(second, "abort")
+    assert not mgr._announced and not mgr._queued and not mgr._queued_parents
+    mgr.check_integrity()
