@@ -22,6 +22,14 @@ expert and at most 3 slots per real row (one token, top-2 of 8, stays grouped). 
 products are bit-identical to per-expert ``F.linear`` in bf16 and fp16 (oneDNN's reduced-
 precision rows are independent of the row count), not in fp32 (MKL picks its kernel by the
 row count), so fp32 keeps the grouped path (tests/layers/test_moe.py checks both).
+
+On the CPU the engine packs each expert's weights once for oneDNN instead
+(:meth:`GroupedExperts.pack_weights`, called by ``pack_linears`` at load): then each
+expert with rows runs its two products as packed linears, one call each. 8 experts of
+512 -> 512 | 256 -> 512, one thread, weights cold in cache as in a decode step, median of
+30: 1 token 270 -> 153 us, 8 tokens 509 -> 452 us, 64 tokens 819 -> 748 us; hot, 4096
+tokens (a prefill step) 28 -> 15 ms in bf16 and 80 -> 29 ms in fp32. Products stay
+bit-identical to ``F.linear`` in bf16.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.layers.mlp import GatedMLP, activation
+from hybridkv.layers.packed_linear import PackedLinear
 
 _GROUPED_MM_ALIGN_BYTES = 16  # F.grouped_mm needs 16-byte row strides on CPU
 PADDED_MAX_CAPACITY = 64  # padded bmm up to this many rows per expert (measured crossover ~75)
@@ -151,6 +160,9 @@ class GroupedExperts(nn.Module):
         self.gated = gated
         self.intermediate = intermediate
         self.act = act
+        self._num_experts = num_experts
+        # per expert (gate_up, down) packed for oneDNN once pack_weights ran, else None
+        self.packed: nn.ModuleList | None = None
         width = (2 if gated else 1) * intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
@@ -164,10 +176,35 @@ class GroupedExperts(nn.Module):
 
     @property
     def num_experts(self) -> int:
-        return int(self.gate_up_proj.shape[0])
+        return self._num_experts
+
+    def pack_weights(self, min_elements: int) -> int:
+        """Pack every expert's weights for oneDNN in place of the stacked parameters
+        (CPU inference; see the module doc). Skipped when the stacked ``gate_up_proj``
+        has fewer than ``min_elements`` elements or oneDNN cannot pack its dtype here.
+        Returns the number of weights packed."""
+        if self.packed is not None or self.gate_up_proj.numel() < min_elements:
+            return 0
+        experts = []
+        for e in range(self.num_experts):
+            gate_up = PackedLinear.from_weight(
+                self.gate_up_proj[e], None if self.gate_up_bias is None else self.gate_up_bias[e]
+            )
+            down = PackedLinear.from_weight(
+                self.down_proj[e], None if self.down_bias is None else self.down_bias[e]
+            )
+            if gate_up is None or down is None:
+                return 0
+            experts.append(nn.ModuleList([gate_up, down]))
+        self.packed = nn.ModuleList(experts)
+        for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
+            setattr(self, name, None)  # the packed copies replace them
+        return 2 * self.num_experts
 
     def forward(self, x: Tensor, routing: ExpertRouting) -> Tensor:
         """x [N, H] rows in expert order -> [N, H]."""
+        if self.packed is not None:
+            return self._per_expert(x, routing.offsets.tolist(), self.packed)
         if self._padded_ok(x) and routing.use_padded():
             return self._padded(x, routing)
         h = grouped_linear(x, self.gate_up_proj, routing.offsets, self.gate_up_bias)
@@ -178,6 +215,16 @@ class GroupedExperts(nn.Module):
             gate, up = h.split(self.intermediate, dim=-1)
             return self.act(gate) * up  # [..., I]
         return self.act(h)
+
+    def _per_expert(self, x: Tensor, ends: list[int], packed: nn.ModuleList) -> Tensor:
+        """Each expert with rows runs its packed linears on its slice of the sorted rows."""
+        out = x.new_empty(x.shape[0], packed[0][1].out_features)
+        start = 0
+        for (gate_up, down), end in zip(packed, ends, strict=True):
+            if end > start:
+                out[start:end] = down(self._activate(gate_up(x[start:end])))
+            start = end
+        return out
 
     def _padded_ok(self, x: Tensor) -> bool:
         grad = torch.is_grad_enabled() and (x.requires_grad or self.gate_up_proj.requires_grad)

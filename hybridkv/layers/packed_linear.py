@@ -20,6 +20,8 @@ oneDNN's opaque layout, cannot move to another device and has no autograd.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 from torch import Tensor, nn
 
@@ -28,6 +30,14 @@ MIN_PACKED_ELEMENTS = 1 << 18
 
 _KEEP_PLAIN = "_hybridkv_keep_plain"
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@runtime_checkable
+class PacksOwnWeights(Protocol):
+    """A module holding linear weights in its own layout (stacked experts) packs them
+    itself when :func:`pack_linears` asks; returns how many weights it packed."""
+
+    def pack_weights(self, min_elements: int) -> int: ...
 
 
 def keep_plain(linear: nn.Linear) -> nn.Linear:
@@ -49,15 +59,24 @@ class PackedLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> PackedLinear | None:
         """The packed form of ``linear``, or None where oneDNN cannot pack its dtype here."""
-        weight = linear.weight.detach()
-        try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
-        except RuntimeError:  # e.g. fp16 without avx512_fp16 / avx_ne_convert
-            return None
         bias = linear.bias
         if bias is not None:
             bias.requires_grad_(False)  # the packed op has no backward
-        return cls(packed, bias, linear.in_features)
+        return cls.from_weight(linear.weight, bias)
+
+    @classmethod
+    def from_weight(cls, weight: Tensor, bias: Tensor | None) -> PackedLinear | None:
+        """``x @ weight.T + bias`` packed (weight [out, in] on the CPU), or None where
+        oneDNN cannot pack this dtype on this machine."""
+        if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
+            return None
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
+        except RuntimeError:  # e.g. fp16 without avx512_fp16 / avx_ne_convert
+            return None
+        if bias is not None and not isinstance(bias, nn.Parameter):
+            bias = nn.Parameter(bias.detach(), requires_grad=False)
+        return cls(packed, bias, int(weight.shape[1]))
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
@@ -82,7 +101,9 @@ def pack_linears(model: nn.Module, *, min_elements: int | None = None) -> int:
     """Replace every packable ``nn.Linear`` of ``model`` by a :class:`PackedLinear`, in place.
 
     A module reachable under several parents (shared blocks) is packed once and the same
-    packed module put in every place. For inference only: packed modules have no gradient.
+    packed module put in every place; modules with weights of their own layout
+    (:class:`PacksOwnWeights`, e.g. stacked experts) pack them themselves. For inference
+    only: packed modules have no gradient.
     ``min_elements`` (default :data:`MIN_PACKED_ELEMENTS`, read at call time) is the
     smallest weight packed. Returns the number of distinct modules packed.
     """
@@ -92,6 +113,10 @@ def pack_linears(model: nn.Module, *, min_elements: int | None = None) -> int:
         min_elements = MIN_PACKED_ELEMENTS
     shared = _tied_weights(model)
     replaced: dict[int, nn.Module] = {}
+    packed_own = 0
+    for module in list(model.modules()):
+        if isinstance(module, PacksOwnWeights):
+            packed_own += module.pack_weights(min_elements)
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if id(child) not in replaced:
@@ -102,7 +127,7 @@ def pack_linears(model: nn.Module, *, min_elements: int | None = None) -> int:
                     continue
                 replaced[id(child)] = packed
             setattr(parent, child_name, replaced[id(child)])
-    return len(replaced)
+    return len(replaced) + packed_own
 
 
 def _tied_weights(model: nn.Module) -> set[int]:
@@ -114,4 +139,10 @@ def _tied_weights(model: nn.Module) -> set[int]:
     return {key for key, modules in holders.items() if len(modules) > 1}
 
 
-__all__ = ["MIN_PACKED_ELEMENTS", "PackedLinear", "keep_plain", "pack_linears"]
+__all__ = [
+    "MIN_PACKED_ELEMENTS",
+    "PackedLinear",
+    "PacksOwnWeights",
+    "keep_plain",
+    "pack_linears",
+]

@@ -15,6 +15,7 @@ elsewhere than one expert's did. Other sizes are checked to a float tolerance.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 import pytest
@@ -79,8 +80,7 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Gen
     return scores.topk(top_k, dim=-1).indices
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize(
+EXPERT_SHAPES = pytest.mark.parametrize(
     ("hidden", "inter", "top_k", "gated", "bias"),
     [
         (64, 32, 2, True, False),  # the tests' tiny models
@@ -91,6 +91,11 @@ def random_routing(num_tokens: int, num_experts: int, top_k: int, gen: torch.Gen
         (64, 32, 2, False, True),  # NemotronH mlp_bias
     ],
 )
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["stacked", "packed"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@EXPERT_SHAPES
 @pytest.mark.parametrize("num_tokens", [1, 7, 96])
 def test_grouped_experts_equal_the_loop(
     dtype: torch.dtype,
@@ -100,24 +105,40 @@ def test_grouped_experts_equal_the_loop(
     gated: bool,
     bias: bool,
     num_tokens: int,
+    packed: bool,
 ) -> None:
+    """Stacked weights (grouped / padded / per-expert paths) and, packed for oneDNN
+    (``pack_weights``, the engine's CPU path), each expert's own packed linears."""
     gen = torch.Generator().manual_seed(hidden * 1000 + inter * 10 + top_k)
     act = activation("silu") if gated else relu_squared
     grouped = GroupedExperts(6, hidden, inter, act, gated=gated, bias=bias).to(dtype)
     for p in grouped.parameters():
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    expert = reference_expert(copy.deepcopy(grouped))  # the stacked weights, unpacked
+    if packed:
+        if not torch.backends.mkldnn.is_available():
+            pytest.skip("this torch build has no oneDNN")
+        assert grouped.pack_weights(min_elements=0) == 12
+        assert grouped.gate_up_proj is None and grouped.down_proj is None
     x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
     experts = random_routing(num_tokens, 6, top_k, gen)
     for weight_dtype, sum_dtype in [(dtype, dtype), (torch.float32, torch.float32)]:
         weights = torch.rand(num_tokens, top_k, generator=gen).to(weight_dtype)
         with torch.no_grad():
             ours = moe_forward(x, weights, experts, grouped, sum_dtype=sum_dtype)
-            ref = loop_reference(x, weights, experts, reference_expert(grouped), sum_dtype)
+            ref = loop_reference(x, weights, experts, expert, sum_dtype)
         assert ours.dtype == ref.dtype
-        if inter % 16 == 0:
+        # packed fp32 products agree with F.linear's to rounding only (oneDNN vs MKL)
+        if inter % 16 == 0 and not (packed and dtype == torch.float32):
             assert torch.equal(ours, ref)
         else:
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_small_experts_are_not_packed() -> None:
+    grouped = GroupedExperts(4, 64, 32, activation("silu")).to(torch.bfloat16)
+    assert grouped.pack_weights(min_elements=4 * 64 * 64 + 1) == 0
+    assert grouped.packed is None and grouped.gate_up_proj is not None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
