@@ -8,7 +8,9 @@ and the per-expert slices of its MoE (M of a few rows). When bf16 takes a native
 runs at about 2x fp32 or better at large M; an emulated path (convert to fp32 and back) is
 slower than fp32. Each figure is the best of ``--repeats`` timings of enough calls for
 about ``--flops`` floating-point operations; the ratio column is the one to read on a
-shared machine (both dtypes timed back to back).
+shared machine (both dtypes timed back to back). The "packed" columns time the engine's
+CPU path, the weight laid out once for oneDNN (``hybridkv.layers.packed_linear``), against
+plain ``F.linear`` on the same shape, back to back.
 
 Usage: ``python benchmarks/cpu_matmul_dtypes.py [--threads 1]``.
 """
@@ -21,6 +23,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from hybridkv.layers.packed_linear import PackedLinear
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 # (M, K, N): decode/prefill rows through the model's projections and experts
@@ -51,17 +55,28 @@ def cpu_flags() -> str:
     return f"{model}: " + " ".join(have)
 
 
-def gflops(m: int, k: int, n: int, dtype: torch.dtype, flops: float, repeats: int) -> float:
+def gflops(
+    m: int, k: int, n: int, dtype: torch.dtype, flops: float, repeats: int, packed: bool = False
+) -> float:
+    """GFLOP/s of ``x [m, k] @ w [n, k].T`` (plain ``F.linear``, or the packed module)."""
     a = torch.randn(m, k).to(dtype)
     w = torch.randn(n, k).to(dtype)
-    F.linear(a, w)  # warm-up: oneDNN picks and caches its kernel
+    layer = PackedLinear.from_weight(w, None) if packed else None
+    if packed and layer is None:
+        return float("nan")  # oneDNN cannot pack this dtype here
+
+    def run() -> torch.Tensor:
+        return layer(a) if layer is not None else F.linear(a, w)
+
+    run()  # warm-up: oneDNN picks and caches its kernel
     calls = max(3, int(flops / (2 * m * k * n)))
     best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            F.linear(a, w)
-        best = min(best, (time.perf_counter() - start) / calls)
+    with torch.inference_mode():
+        for _ in range(repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                run()
+            best = min(best, (time.perf_counter() - start) / calls)
     return 2 * m * k * n / best / 1e9
 
 
@@ -78,12 +93,18 @@ def main() -> None:
         f"mkldnn {'available' if torch.backends.mkldnn.is_available() else 'absent'}, "
         f"{args.threads} thread(s); best of {args.repeats}"
     )
-    header = ("M", "K", "N", "fp32 GFLOP/s", "bf16 GFLOP/s", "bf16/fp32")
-    print("{:>6s} {:>5s} {:>5s} {:>13s} {:>13s} {:>10s}".format(*header))
+    header = ("M", "K", "N", "fp32", "bf16", "bf16/fp32", "fp32 packed", "bf16 packed")
+    print("GFLOP/s; packed: the engine's pre-packed weight, and its speed-up over plain")
+    print("{:>6s} {:>5s} {:>5s} {:>8s} {:>8s} {:>10s} {:>18s} {:>18s}".format(*header))
     for m, k, n in SHAPES:
         f32 = gflops(m, k, n, torch.float32, args.flops, args.repeats)
         b16 = gflops(m, k, n, torch.bfloat16, args.flops, args.repeats)
-        print(f"{m:6d} {k:5d} {n:5d} {f32:13.1f} {b16:13.1f} {b16 / f32:9.2f}x")
+        f32p = gflops(m, k, n, torch.float32, args.flops, args.repeats, packed=True)
+        b16p = gflops(m, k, n, torch.bfloat16, args.flops, args.repeats, packed=True)
+        print(
+            f"{m:6d} {k:5d} {n:5d} {f32:8.1f} {b16:8.1f} {b16 / f32:9.2f}x "
+            f"{f32p:9.1f} ({f32p / f32:4.2f}x) {b16p:9.1f} ({b16p / b16:4.2f}x)"
+        )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.layers.mlp import GatedMLP, activation
-from hybridkv.layers.packed_linear import PackedLinear
+from hybridkv.layers.packed_linear import PackedLinear, packing_threshold
 
 _GROUPED_MM_ALIGN_BYTES = 16  # F.grouped_mm needs 16-byte row strides on CPU
 PADDED_MAX_CAPACITY = 64  # padded bmm up to this many rows per expert (measured crossover ~75)
@@ -178,12 +178,15 @@ class GroupedExperts(nn.Module):
     def num_experts(self) -> int:
         return self._num_experts
 
-    def pack_weights(self, min_elements: int) -> int:
+    def pack_weights(self, min_elements: int | None = None) -> int:
         """Pack every expert's weights for oneDNN in place of the stacked parameters
         (CPU inference; see the module doc). Skipped when the stacked ``gate_up_proj``
-        has fewer than ``min_elements`` elements or oneDNN cannot pack its dtype here.
-        Returns the number of weights packed."""
-        if self.packed is not None or self.gate_up_proj.numel() < min_elements:
+        has fewer elements than ``min_elements`` (default: the packing threshold of its
+        dtype) or oneDNN cannot pack its dtype here. Returns the number of weights packed."""
+        if self.packed is not None:
+            return 0
+        threshold = packing_threshold(self.gate_up_proj.dtype, min_elements)
+        if threshold is None or self.gate_up_proj.numel() < threshold:
             return 0
         experts = []
         for e in range(self.num_experts):

@@ -9,7 +9,9 @@ micro-benchmark in docs/architecture.md §6): bf16 1.4-2.2x faster at
 large weights. The products are bit-identical to ``F.linear`` in bf16, and in fp32 agree to
 rounding (~1e-5 relative); packed fp32 products are also the same whatever the number of
 rows, where MKL's are not. A packed call costs ~10 us of fixed overhead, so small weights
-(below :data:`MIN_PACKED_ELEMENTS`) stay plain.
+stay plain (:data:`MIN_PACKED_ELEMENTS`): below 512 x 512 in bf16, and below 1024 x 1024 in
+fp32, where a one-row product packed takes 12 us against 6.5 us plain on 512 x 512
+(``benchmarks/cpu_matmul_dtypes.py``; equal at 1024 x 1024, 2-2.4x faster from 8 rows).
 
 The packed weight replaces the plain one (no second copy), so a module is packed only when
 nothing else reads its ``.weight``: weights tied to another parameter (an embedding shared
@@ -25,11 +27,20 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-# 512 x 512: below it the fixed cost of a packed call outweighs its gain at decode sizes
-MIN_PACKED_ELEMENTS = 1 << 18
+# the smallest weight packed, per dtype: below it the fixed cost of a packed call outweighs
+# its gain at decode sizes (module doc); dtypes not listed are never packed
+MIN_PACKED_ELEMENTS: dict[torch.dtype, int] = {torch.bfloat16: 1 << 18, torch.float32: 1 << 20}
 
 _KEEP_PLAIN = "_hybridkv_keep_plain"
-_PACKED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def packing_threshold(dtype: torch.dtype, min_elements: int | None = None) -> int | None:
+    """The smallest weight of ``dtype`` to pack (``min_elements`` if given and the dtype is
+    packable at all), or None: never pack this dtype."""
+    default = MIN_PACKED_ELEMENTS.get(dtype)
+    if default is None:
+        return None
+    return default if min_elements is None else min_elements
 
 
 @runtime_checkable
@@ -37,7 +48,7 @@ class PacksOwnWeights(Protocol):
     """A module holding linear weights in its own layout (stacked experts) packs them
     itself when :func:`pack_linears` asks; returns how many weights it packed."""
 
-    def pack_weights(self, min_elements: int) -> int: ...
+    def pack_weights(self, min_elements: int | None) -> int: ...
 
 
 def keep_plain(linear: nn.Linear) -> nn.Linear:
@@ -68,7 +79,7 @@ class PackedLinear(nn.Module):
     def from_weight(cls, weight: Tensor, bias: Tensor | None) -> PackedLinear | None:
         """``x @ weight.T + bias`` packed (weight [out, in] on the CPU), or None where
         oneDNN cannot pack this dtype on this machine."""
-        if weight.device.type != "cpu" or weight.dtype not in _PACKED_DTYPES:
+        if weight.device.type != "cpu" or packing_threshold(weight.dtype) is None:
             return None
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
@@ -85,15 +96,16 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
-def _packable(linear: nn.Linear, shared: set[int], min_elements: int) -> bool:
+def _packable(linear: nn.Linear, shared: set[int], min_elements: int | None) -> bool:
     weight = linear.weight
+    threshold = packing_threshold(weight.dtype, min_elements)
     return (
         type(linear) is nn.Linear
         and not getattr(linear, _KEEP_PLAIN, False)
         and id(weight) not in shared
         and weight.device.type == "cpu"
-        and weight.dtype in _PACKED_DTYPES
-        and weight.numel() >= min_elements
+        and threshold is not None
+        and weight.numel() >= threshold
     )
 
 
@@ -104,13 +116,11 @@ def pack_linears(model: nn.Module, *, min_elements: int | None = None) -> int:
     packed module put in every place; modules with weights of their own layout
     (:class:`PacksOwnWeights`, e.g. stacked experts) pack them themselves. For inference
     only: packed modules have no gradient.
-    ``min_elements`` (default :data:`MIN_PACKED_ELEMENTS`, read at call time) is the
-    smallest weight packed. Returns the number of distinct modules packed.
+    ``min_elements`` is the smallest weight packed (default: :data:`MIN_PACKED_ELEMENTS`
+    of its dtype, read at call time). Returns the number of weights packed.
     """
     if not torch.backends.mkldnn.is_available():
         return 0
-    if min_elements is None:
-        min_elements = MIN_PACKED_ELEMENTS
     shared = _tied_weights(model)
     replaced: dict[int, nn.Module] = {}
     packed_own = 0
@@ -145,4 +155,5 @@ __all__ = [
     "PacksOwnWeights",
     "keep_plain",
     "pack_linears",
+    "packing_threshold",
 ]

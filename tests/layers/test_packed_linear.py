@@ -118,3 +118,17 @@ def test_packed_weights_replace_the_plain_ones() -> None:
     assert pack_linears(model) == 1
     params = list(model.parameters())
     assert len(params) == 1 and params[0] is not plain and params[0].numel() == 512 * 512
+
+
+def test_thresholds_per_dtype() -> None:
+    """512 x 512 is packed in bf16 but not in fp32, where a one-row product packed costs
+    more than plain; 1024 x 1024 is packed in both; fp16 never (oneDNN needs CPU support
+    this project cannot assume)."""
+    for dtype, packed_types in [
+        (torch.bfloat16, (PackedLinear, PackedLinear)),
+        (torch.float32, (nn.Linear, PackedLinear)),
+        (torch.float16, (nn.Linear, nn.Linear)),
+    ]:
+        model = nn.Sequential(nn.Linear(512, 512), nn.Linear(1024, 1024)).to(dtype)
+        pack_linears(model)
+        assert tuple(type(m) for m in model) == packed_types, dtype
