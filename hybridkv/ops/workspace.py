@@ -25,7 +25,7 @@ class Workspace:
     def __init__(self) -> None:
         self._local = threading.local()
 
-    def _buffers(self) -> dict[tuple[str, torch.dtype, torch.device], Tensor]:
+    def _buffers(self) -> dict[tuple[str, torch.dtype, torch.device, bool], Tensor]:
         buffers = getattr(self._local, "buffers", None)
         if buffers is None:
             buffers = self._local.buffers = {}
@@ -38,7 +38,9 @@ class Workspace:
 
         Two names never share memory, so an op may hold several buffers at once.
         """
-        key = (name, dtype, device)
+        # inference-mode tensors cannot be updated in place outside inference mode (and
+        # the engine runs its forward in it): one set of buffers for each side
+        key = (name, dtype, device, torch.is_inference_mode_enabled())
         buffers = self._buffers()
         numel = math.prod(shape)
         buf = buffers.get(key)

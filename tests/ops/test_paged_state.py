@@ -55,6 +55,20 @@ def test_workspace_buffers_grow_and_are_reused() -> None:
     assert c.shape == (8, 8) and space.get("t", (2,), torch.float32, c.device).numel() == 2
 
 
+def test_workspace_buffers_used_in_inference_mode_stay_writable_outside_it() -> None:
+    """The engine runs its forward in inference mode; an op called afterwards outside it
+    (a test, a reference run) must not get an inference tensor to write into."""
+    space = Workspace()
+    with torch.inference_mode():
+        inside = space.get("s", (4, 8), torch.float32, torch.device("cpu"))
+        inside.fill_(1.0)
+    outside = space.get("s", (4, 8), torch.float32, torch.device("cpu"))
+    assert torch.is_inference(inside) and not torch.is_inference(outside)
+    outside.fill_(2.0)  # an inference tensor would raise here
+    with torch.inference_mode():
+        assert space.get("s", (4, 8), torch.float32, torch.device("cpu")).eq(1.0).all()
+
+
 def test_inputs_requiring_grad_take_the_differentiable_path() -> None:
     """Training through the serving layers (the demo model): outputs and gradients equal
     the references', and the final states still land in the pages."""

@@ -72,7 +72,7 @@ class DraftModelProposer:
     def forget(self, seq_id: str) -> None:
         self._seen.pop(seq_id, None)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def fill(self, chunks: list[ScheduledChunk]) -> None:
         todo = [c for c in chunks if c.num_draft_tokens]
         working = self._working_pages(todo)
