@@ -118,6 +118,30 @@ def test_varlen_equals_each_request_alone(
     check_varlen_batch((4, 16, 12), page_dtype, run_varlen, run_alone, with_captures)
 
 
+@pytest.mark.parametrize("with_captures", [False, True], ids=["no_capture", "captures"])
+@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_decode_only_step_equals_each_request_alone(
+    page_dtype: torch.dtype, with_captures: bool
+) -> None:
+    """Every row a decode (the step shape that skips picking the decode rows): fresh and
+    carried states, NaN-poisoned pages, captures after the one row."""
+    lens, carried = [1] * 7, [True, False, True, True, False, True, True]
+    q, k, v, g, beta, _ = (t[0] for t in make_inputs(len(lens)))
+
+    def run_varlen(view: Tensor, states: StateBatch) -> Tensor:
+        assert states.decodes is not None and states.decodes.rows.numel() == len(lens)
+        return gated_delta_rule_varlen(q, k, v, g, beta, view, states)
+
+    def run_alone(part: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
+        o, s = recurrent_gated_delta_rule(
+            q[None, part], k[None, part], v[None, part], g[None, part], beta[None, part],
+            None if init is None else init[None],
+        )  # fmt: skip
+        return o[0], s[0]
+
+    check_varlen_batch((4, 16, 12), page_dtype, run_varlen, run_alone, with_captures, lens, carried)
+
+
 @pytest.mark.parametrize("n", [1, 7, 16, 17, 33, 64])
 def test_unit_lower_inverse_equals_triangular_solve(n: int) -> None:
     """The inverse built by halves times a right-hand side == the triangular solve, for sizes

@@ -47,10 +47,17 @@ def _per_v_head(x: Tensor, v_heads: int) -> Tensor:
 
 
 def _decode(
-    rows: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], view: Tensor, decodes: DecodeRows
+    rows: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
+    view: Tensor,
+    decodes: DecodeRows,
+    every_row: bool = False,
 ) -> Tensor:
-    """One recurrence step for every decode, states updated in place: [B, Hv, Dv]."""
-    q, k, v, g, beta = (x.index_select(0, decodes.rows) for x in rows)  # [B, H, ...]
+    """One recurrence step for every decode, states updated in place: [B, Hv, Dv].
+    ``every_row``: the step's rows are exactly the decodes, in order (nothing to pick)."""
+    if every_row:
+        q, k, v, g, beta = rows
+    else:
+        q, k, v, g, beta = (x.index_select(0, decodes.rows) for x in rows)  # [B, H, ...]
     q, k = _per_v_head(q, v.shape[1]), _per_v_head(k, v.shape[1])
     batch, heads, k_dim = k.shape
     state = read_states(view, decodes.pages, decodes.fresh, "gdn.state")  # [B, Hv, Dk, Dv]
@@ -190,6 +197,10 @@ def gated_delta_rule_varlen(
 
         return scan_each_request(torch.empty_like(v), ssm_pages, states, scan)
     rows = _prepare_rows(q, k, v, g, beta)
+    if states.decodes is not None and states.decodes.rows.numel() == v.shape[0]:
+        out = _decode(rows, ssm_pages, states.decodes, every_row=True)  # a decode-only step
+        states.copy_final_captures(ssm_pages)
+        return out.to(v.dtype)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     if states.decodes is not None:
         out.index_copy_(0, states.decodes.rows, _decode(rows, ssm_pages, states.decodes))
