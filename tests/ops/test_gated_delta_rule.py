@@ -124,9 +124,14 @@ def test_a_decode_only_step_equals_each_request_alone(
     page_dtype: torch.dtype, with_captures: bool
 ) -> None:
     """Every row a decode (the step shape that skips picking the decode rows): fresh and
-    carried states, NaN-poisoned pages, captures after the one row."""
+    carried states, NaN-poisoned pages, captures after the one row; q, k, v strided views
+    of one projection, as the layers pass them (a regression: fp32 rows are not copied)."""
     lens, carried = [1] * 7, [True, False, True, True, False, True, True]
     q, k, v, g, beta, _ = (t[0] for t in make_inputs(len(lens)))
+    fused = torch.cat([t.flatten(1) for t in (q, k, v)], dim=1)  # [T, q | k | v]
+    parts = fused.split([t[0].numel() for t in (q, k, v)], dim=1)
+    q, k, v = (p.unflatten(1, t.shape[1:]) for p, t in zip(parts, (q, k, v), strict=True))
+    assert not v.is_contiguous()
 
     def run_varlen(view: Tensor, states: StateBatch) -> Tensor:
         assert states.decodes is not None and states.decodes.rows.numel() == len(lens)

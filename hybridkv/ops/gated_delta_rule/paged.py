@@ -54,8 +54,8 @@ def _decode(
 ) -> Tensor:
     """One recurrence step for every decode, states updated in place: [B, Hv, Dv].
     ``every_row``: the step's rows are exactly the decodes, in order (nothing to pick)."""
-    if every_row:
-        q, k, v, g, beta = rows
+    if every_row:  # contiguous, as index_select's copies are (the views below need it)
+        q, k, v, g, beta = (x.contiguous() for x in rows)
     else:
         q, k, v, g, beta = (x.index_select(0, decodes.rows) for x in rows)  # [B, H, ...]
     q, k = _per_v_head(q, v.shape[1]), _per_v_head(k, v.shape[1])
