@@ -11,10 +11,11 @@ One step (the shape of vLLM v1 and nano-vllm)::
     then waiting, in arrival order  the prefix hit first (KV pages and a state snapshot at
                                     exactly the same length), then as much of the rest as
                                     the budget allows; stops at the first one that does not
-                                    fit (FCFS), so a long prompt is never starved, and at
-                                    the first one whose prefix a running sequence is
-                                    computing and will snapshot (it resumes there a step
-                                    or two later instead of computing the prefix again)
+                                    fit (FCFS), so a long prompt is never starved; one
+                                    whose prefix a running sequence is computing and will
+                                    snapshot is passed over (it resumes there a step or
+                                    two later instead of computing the prefix again) and
+                                    the ones behind it are admitted meanwhile
 
 Waiting prompts are announced to the manager, so the first of many requests behind one
 shared prefix snapshots where they branch off it (``CacheManager.announce``).
@@ -134,10 +135,13 @@ class Scheduler:
             if chunk is not None:
                 out.chunks.append(chunk)
                 budget -= chunk.num_tokens
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            if self._sibling_prefilling(self.waiting[0]) or self._prefix_coming(self.waiting[0]):
-                break
-            chunk = self._admit(self.waiting[0], budget, busy=bool(out.chunks), out=out)
+        index = 0  # the first waiting sequence not passed over this step
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
+            if self._sibling_prefilling(seq) or self._prefix_coming(seq):
+                index += 1  # its prefix is on the way: admit the ones behind it meanwhile
+                continue
+            chunk = self._admit(seq, budget, busy=bool(out.chunks), out=out)
             if chunk is None:
                 break
             out.chunks.append(chunk)
@@ -208,14 +212,14 @@ class Scheduler:
         if alloc is None:
             self.manager.free(rid)
             if not busy and not self.running:  # alone and still too big: it never will fit
-                self.waiting.popleft()
+                self.waiting.remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "abort"
                 out.rejected.append(seq)
             else:
                 self.manager.announce(rid, seq.all_token_ids)  # it still waits
             return None
-        self.waiting.popleft()
+        self.waiting.remove(seq)
         self.running.append(seq)
         seq.status = SequenceStatus.RUNNING
         num_new = end - start

@@ -320,3 +320,19 @@ def test_a_waiting_request_stops_waiting_when_the_prefix_computer_is_preempted()
     sched.finish(second, "abort")
     assert not mgr._announced and not mgr._queued and not mgr._queued_parents
     mgr.check_integrity()
+
+
+def test_requests_behind_a_waiting_one_are_admitted_meanwhile() -> None:
+    """A request waiting for its prefix is passed over, not a barrier: an unrelated one
+    behind it is admitted in the same step, then the waiting one resumes at block 8."""
+    mgr = make_manager(num_chunks=16)
+    sched = scheduler(mgr, max_num_batched_tokens=64)
+    first, second = shared_prefix_requests(2, 10, 3)
+    other = seq("c", 3)
+    other.prompt_token_ids = tokens(3, start=3000)
+    for s in (first, second, other):
+        sched.add(s)
+    assert work(run_step(sched)) == [("a", 0, 13), ("c", 0, 3)]
+    assert [s.seq_id for s in sched.waiting] == ["b"]
+    assert work(run_step(sched)) == [("a", 13, 1), ("c", 3, 1), ("b", 8, 5)]
+    mgr.check_integrity()
