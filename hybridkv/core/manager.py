@@ -175,7 +175,7 @@ class CacheManager:
         self._inflight_parents: Counter[BlockHash] = Counter()  # ... with a next block there
         # prompt blocks of waiting requests the scheduler announced: a prefix they share
         # with a request being admitted is a branch point too (announce, awaits_prefix)
-        self._announced: dict[ReqId, list[BlockHash]] = {}
+        self._announced: dict[ReqId, tuple[list[int], list[BlockHash]]] = {}  # tokens, hashes
         self._queued: Counter[BlockHash] = Counter()
         self._queued_parents: Counter[BlockHash] = Counter()
         self.stats = CacheStats()
@@ -203,25 +203,27 @@ class CacheManager:
         if not (self.config.enable_prefix_caching and self.recurrent):
             return
         self.withdraw(req_id)
+        tokens = list(prompt_token_ids)
         hashes: list[BlockHash] = []
-        extend_block_hashes(hashes, self._root, prompt_token_ids, self.block_tokens)
-        self._announced[req_id] = hashes
+        extend_block_hashes(hashes, self._root, tokens, self.block_tokens)
+        self._announced[req_id] = (tokens, hashes)
         self._queued.update(hashes)
         self._queued_parents.update(hashes[:-1])
 
-    def withdraw(self, req_id: ReqId) -> None:
-        """The announced request is admitted or gone."""
-        hashes = self._announced.pop(req_id, None)
-        if hashes is not None:
-            _forget(self._queued, hashes)
-            _forget(self._queued_parents, hashes[:-1])
+    def withdraw(self, req_id: ReqId) -> tuple[list[int], list[BlockHash]] | None:
+        """The announced request is admitted or gone: its (tokens, block hashes), if any."""
+        announced = self._announced.pop(req_id, None)
+        if announced is not None:
+            _forget(self._queued, announced[1])
+            _forget(self._queued_parents, announced[1][:-1])
+        return announced
 
     def awaits_prefix(self, req_id: ReqId) -> bool:
         """Whether the announced request should wait: a started request is computing a
         prefix of its prompt and will snapshot exactly where that prefix ends (its
         branch point), so admitting this one a step or two later turns the prefix into a
         hit instead of computing it twice."""
-        hashes = self._announced.get(req_id)
+        hashes = self._announced[req_id][1] if req_id in self._announced else []
         if not hashes:
             return False
         shared = 0
@@ -238,8 +240,10 @@ class CacheManager:
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int]) -> None:
         if req_id in self._reqs:
             raise ValueError(f"request {req_id!r} is already in the cache")
-        self.withdraw(req_id)
+        announced = self.withdraw(req_id)
         req = CachedRequest(tokens=list(prompt_token_ids), prompt_len=len(prompt_token_ids))
+        if announced is not None and announced[0] == req.tokens:  # hashed when announced
+            req.hashes.extend(announced[1])
         extend_block_hashes(req.hashes, self._root, req.tokens, self.block_tokens)
         self._reqs[req_id] = req
 

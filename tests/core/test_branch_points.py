@@ -212,3 +212,31 @@ def test_positions_are_the_checkpoints_of_the_range(
         if policy.is_checkpoint(p, prompt_len, BLOCK) or (p == branch and p > 0)
     ]
     assert policy.positions(start, end, prompt_len, BLOCK, branch) == expected
+
+
+def test_an_announced_prompt_makes_the_first_admitted_request_snapshot_its_branch() -> None:
+    """Requests arriving together: B waits (announced) while A is admitted, so A already
+    snapshots where their prompts branch (12), and B awaits that prefix until A has
+    computed it. Announced hashes are reused at admission only for the same tokens."""
+    mgr = make_manager(num_chunks=16)
+    mgr.announce(B, SYSTEM + tokens(6, start=600))
+    mgr.add_request(A, SYSTEM + tokens(5, start=500))
+    assert not mgr.awaits_prefix(B)  # nothing started yet
+    assert mgr.allocate(A, 8, mgr.find_hit(A)) is not None  # A's first chunk
+    mgr.commit(A, 8)  # started, not yet at 12
+    assert branch_of(mgr, A) == 12
+    assert mgr.awaits_prefix(B)
+    assert mgr.allocate(A, 9) is not None
+    mgr.commit(A, 17)
+    assert not mgr.awaits_prefix(B)  # computed: B now hits instead
+    assert 12 in cached_snapshot_positions(mgr, SYSTEM)
+    fresh = make_manager(num_chunks=16)
+    fresh.add_request(B, SYSTEM + tokens(6, start=600))
+    mgr.add_request(B, SYSTEM + tokens(6, start=600))
+    assert mgr._reqs[B].hashes == fresh._reqs[B].hashes
+    assert mgr.find_hit(B).num_tokens == 12
+    mgr.announce(C, tokens(9, start=700))
+    mgr.add_request(C, tokens(9, start=800))  # other tokens than announced: hashed afresh
+    fresh.add_request(C, tokens(9, start=800))
+    assert mgr._reqs[C].hashes == fresh._reqs[C].hashes
+    assert not mgr._announced and not mgr._queued
