@@ -53,6 +53,14 @@ SETTINGS = settings(
 )
 
 
+# a prompt: the first ``shared`` tokens of one of PREFIXES, then a suffix of its own
+PROMPTS = {
+    "prefix": st.sampled_from(range(len(PREFIXES))),
+    "shared": st.integers(1, 16),
+    "suffix": st.lists(st.integers(0, 3), max_size=8),
+}
+
+
 def machine(
     model: Callable[[], ModelSpec],
     policy: EvictionPolicy,
@@ -78,12 +86,7 @@ def machine(
             return self.next_token % 7  # few distinct tokens: decodes collide too
 
         @precondition(lambda self: len(self.prompt_len) < MAX_REQUESTS)
-        @rule(
-            target=reqs,
-            prefix=st.sampled_from(range(len(PREFIXES))),
-            shared=st.integers(1, 16),
-            suffix=st.lists(st.integers(0, 3), max_size=8),
-        )
+        @rule(target=reqs, **PROMPTS)
         def add(self, prefix: int, shared: int, suffix: list[int]) -> ReqId:
             req_id = ReqId(f"r{self.next_id}")
             self.next_id += 1
@@ -92,11 +95,7 @@ def machine(
             self.prompt_len[req_id] = len(prompt)
             return req_id
 
-        @rule(
-            prefix=st.sampled_from(range(len(PREFIXES))),
-            shared=st.integers(1, 16),
-            suffix=st.lists(st.integers(0, 3), max_size=8),
-        )
+        @rule(**PROMPTS)
         def announce(self, prefix: int, shared: int, suffix: list[int]) -> None:
             """A waiting prompt: what it shares becomes a branch point of later admissions."""
             req_id = ReqId(f"q{self.next_id}")

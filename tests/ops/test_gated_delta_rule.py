@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from ops_checks import RAGGED_TOKENS, check_varlen_batch
@@ -108,14 +110,21 @@ def test_varlen_equals_each_request_alone(
     def run_varlen(view: Tensor, states: StateBatch) -> Tensor:
         return gated_delta_rule_varlen(q, k, v, g, beta, view, states, chunk_size)
 
+    run_alone = reference_per_request(chunk_gated_delta_rule, q, k, v, g, beta)
+    check_varlen_batch((4, 16, 12), page_dtype, run_varlen, run_alone, with_captures)
+
+
+def reference_per_request(
+    reference: Callable[..., tuple[Tensor, Tensor]], *rows: Tensor
+) -> Callable[[slice, Tensor | None], tuple[Tensor, Tensor]]:
+    """``run_alone`` for check_varlen_batch: ``reference`` (chunked or recurrent form) over
+    one request's rows of q, k, v, g, beta from an initial state (None: zeros)."""
+
     def run_alone(part: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
-        o, s = chunk_gated_delta_rule(
-            q[None, part], k[None, part], v[None, part], g[None, part], beta[None, part],
-            None if init is None else init[None],
-        )  # fmt: skip
+        o, s = reference(*(x[None, part] for x in rows), None if init is None else init[None])
         return o[0], s[0]
 
-    check_varlen_batch((4, 16, 12), page_dtype, run_varlen, run_alone, with_captures)
+    return run_alone
 
 
 @pytest.mark.parametrize("with_captures", [False, True], ids=["no_capture", "captures"])
@@ -137,13 +146,7 @@ def test_a_decode_only_step_equals_each_request_alone(
         assert states.decodes is not None and states.decodes.rows.numel() == len(lens)
         return gated_delta_rule_varlen(q, k, v, g, beta, view, states)
 
-    def run_alone(part: slice, init: Tensor | None) -> tuple[Tensor, Tensor]:
-        o, s = recurrent_gated_delta_rule(
-            q[None, part], k[None, part], v[None, part], g[None, part], beta[None, part],
-            None if init is None else init[None],
-        )  # fmt: skip
-        return o[0], s[0]
-
+    run_alone = reference_per_request(recurrent_gated_delta_rule, q, k, v, g, beta)
     check_varlen_batch((4, 16, 12), page_dtype, run_varlen, run_alone, with_captures, lens, carried)
 
 
