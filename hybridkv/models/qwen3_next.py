@@ -8,10 +8,10 @@ one reader of ``layer_types`` / ``full_attention_interval``).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from hybridkv.core.spec import ModelSpec
 from hybridkv.layers.attention import AttentionConfig, PagedAttention
@@ -23,6 +23,7 @@ from hybridkv.models.base import CausalLM
 from hybridkv.models.common import PreNormDecoderLayer, attention_config_from, hybrid_layers
 
 _SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.", "model.mtp.")
+_GROUPED_PROJECTIONS = ("in_proj_qkvz", "in_proj_ba")  # rows grouped per k-head on disk
 
 
 def attention_config(cfg: Mapping[str, Any]) -> AttentionConfig:
@@ -119,6 +120,16 @@ class QwenHybridForCausalLM(CausalLM):
 
 
 class Qwen3NextForCausalLM(QwenHybridForCausalLM):
-    """``qwen3_next``: fused ``in_proj_qkvz`` / ``in_proj_ba`` GDN projections."""
+    """``qwen3_next``: fused ``in_proj_qkvz`` / ``in_proj_ba`` GDN projections, their rows
+    reordered from the checkpoint's per-k-head groups as they load."""
 
     gdn_class = Qwen3NextGatedDeltaNet
+
+    def split_weight(self, name: str, tensor: Tensor) -> Iterable[tuple[str, Tensor]]:
+        prefix, _, leaf = name.rpartition(".")
+        mixer_name, _, projection = prefix.rpartition(".")
+        if leaf == "weight" and projection in _GROUPED_PROJECTIONS:
+            mixer = self.get_submodule(mixer_name)
+            if isinstance(mixer, Qwen3NextGatedDeltaNet):
+                tensor = mixer.flat_rows(projection, tensor)
+        yield name, tensor
