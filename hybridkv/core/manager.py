@@ -16,9 +16,9 @@ Per request and per step::
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from hybridkv.core.allocator import PageAllocator
 from hybridkv.core.arena import static_split
@@ -61,6 +61,9 @@ TOKEN_MANAGER_FOR: dict[type[Spec], type[AttentionGroup]] = {
 STATE_MANAGER_FOR: dict[type[Spec], type[RecurrentGroup]] = {
     RecurrentStateSpec: RecurrentGroup,
 }
+
+
+_Key = TypeVar("_Key", bound=Hashable)
 
 
 class Hit(NamedTuple):
@@ -178,6 +181,8 @@ class CacheManager:
         self._announced: dict[ReqId, tuple[list[int], list[BlockHash]]] = {}  # tokens, hashes
         self._queued: Counter[BlockHash] = Counter()
         self._queued_parents: Counter[BlockHash] = Counter()
+        # branch points started requests are still computing: (blocks, hash of the last)
+        self._pending_branches: Counter[tuple[int, BlockHash]] = Counter()
         self.stats = CacheStats()
 
     def _make_group(self, group: GroupSpec) -> GroupManager:
@@ -220,21 +225,21 @@ class CacheManager:
 
     def awaits_prefix(self, req_id: ReqId) -> bool:
         """Whether the announced request should wait: a started request is computing a
-        prefix of its prompt and will snapshot exactly where that prefix ends (its
-        branch point), so admitting this one a step or two later turns the prefix into a
-        hit instead of computing it twice."""
-        hashes = self._announced[req_id][1] if req_id in self._announced else []
-        if not hashes:
+        prefix of its prompt and will snapshot where that prefix ends (its branch point),
+        so admitting this one a step or two later turns the prefix into a hit instead of
+        computing it twice.
+
+        One comparison per pending branch point (a few at most): block hashes chain, so
+        equal hashes of the branch's last block mean the whole prefix is equal. Cheap with
+        thousands of long prompts waiting.
+        """
+        announced = self._announced.get(req_id)
+        if announced is None:
             return False
-        shared = 0
-        while shared < len(hashes) and hashes[shared] in self._inflight:
-            shared += 1
-        target = shared * self.block_tokens
-        return shared > 0 and any(
-            req.started
-            and req.num_computed < target == req.branch_tokens
-            and req.hashes[shared - 1] == hashes[shared - 1]
-            for req in self._reqs.values()
+        hashes = announced[1]
+        return any(
+            blocks <= len(hashes) and hashes[blocks - 1] == last
+            for blocks, last in self._pending_branches
         )
 
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int]) -> None:
@@ -372,6 +377,10 @@ class CacheManager:
             self.stats.hybrid_miss_tokens += max(0, kv_only - req.num_computed)
         if self.config.enable_prefix_caching and self.recurrent:
             req.branch_tokens = self._branch_point(req, req.num_computed)
+            if req.branch_tokens > req.num_computed:
+                blocks = req.branch_tokens // self.block_tokens
+                req.pending_branch = (blocks, req.hashes[blocks - 1])
+                self._pending_branches[req.pending_branch] += 1
             prompt_blocks = req.hashes[: req.prompt_len // self.block_tokens]
             self._inflight.update(prompt_blocks)
             self._inflight_parents.update(prompt_blocks[:-1])
@@ -419,6 +428,13 @@ class CacheManager:
         _forget(self._inflight, blocks)
         _forget(self._inflight_parents, blocks[:-1])
         req.num_inflight_blocks = 0
+        self._branch_reached(req)
+
+    def _branch_reached(self, req: CachedRequest) -> None:
+        """The request's branch point is computed (or it stopped): nobody waits for it."""
+        if req.pending_branch is not None:
+            _forget(self._pending_branches, [req.pending_branch])
+            req.pending_branch = None
 
     def _undo(self, req_id: ReqId, first: bool, new_pages: list[tuple[PageId, ...]]) -> None:
         if first:  # nothing else is held yet: drop the hit refs and the new pages
@@ -506,6 +522,8 @@ class CacheManager:
         req = self._reqs[req_id]
         req.tokens.extend(new_token_ids)
         req.num_computed = num_computed
+        if req.pending_branch is not None and num_computed >= req.branch_tokens:
+            self._branch_reached(req)
         for state in self.state_groups.values():
             state.settle(req_id, num_computed)
         if not self.config.enable_prefix_caching:
@@ -595,11 +613,11 @@ class CacheManager:
             group.check_integrity()
 
 
-def _forget(counts: Counter[BlockHash], hashes: Sequence[BlockHash]) -> None:
-    """Take one count of each hash away, dropping the ones that reach zero."""
-    for block_hash in hashes:
-        count = counts[block_hash] - 1
+def _forget(counts: Counter[_Key], keys: Sequence[_Key]) -> None:
+    """Take one count of each key away, dropping the ones that reach zero."""
+    for key in keys:
+        count = counts[key] - 1
         if count > 0:
-            counts[block_hash] = count
+            counts[key] = count
         else:
-            del counts[block_hash]
+            del counts[key]

@@ -22,6 +22,7 @@ target's, those never publish a page nor take a hit.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 
 from core_factories import hybrid_model, make_manager, page_counts, sliding_hybrid_model
@@ -304,6 +305,10 @@ def machine(
         def consistent(self) -> None:
             self.mgr.check_integrity()
             assert set(self.mgr._announced) == set(self.queued)
+            reqs = self.mgr._reqs.values()
+            pending = Counter(r.pending_branch for r in reqs if r.pending_branch is not None)
+            assert pending == self.mgr._pending_branches  # branch points still to compute
+            assert all(r.num_computed < r.branch_tokens for r in reqs if r.pending_branch)
             for group in self.mgr.groups:
                 if group.group.is_draft:
                     assert group.pool.num_cached_pages == 0, "a draft page was published"
@@ -314,6 +319,7 @@ def machine(
             for req_id in self.queued:
                 self.mgr.withdraw(req_id)
             assert not self.mgr._queued and not self.mgr._queued_parents
+            assert not self.mgr._pending_branches
             self.mgr.check_integrity()
             for pool in self.mgr.allocator.pools:
                 assert pool.num_used_pages == 0

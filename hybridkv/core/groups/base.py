@@ -31,6 +31,9 @@ class CachedRequest:
     # (0: none); a snapshot is taken there during the prefill (CheckpointPolicy)
     branch_tokens: int = 0
     num_inflight_blocks: int = 0  # prompt blocks counted in the manager's in-flight set
+    # (blocks, hash of the last) of the branch point while it is still to be computed,
+    # as registered in the manager's pending branches (waiting requests resume there)
+    pending_branch: tuple[int, BlockHash] | None = None
 
 
 class GroupManager(ABC):
