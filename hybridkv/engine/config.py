@@ -114,8 +114,11 @@ class EngineConfig:
             model, else the model family's rule (the checkpoint's mamba_ssm_dtype if any).
         device: torch device ('cpu', 'cuda', ...).
         pack_weights: on the CPU, lay the large linear weights out once in oneDNN's blocked
-            format (faster matmuls, no extra memory; see hybridkv.layers.packed_linear).
-            Off: plain F.linear, for comparison and debugging.
+            format (see hybridkv.layers.packed_linear): faster small-batch and fp32
+            matmuls, but the packed copies are made while the checkpoint's pages are
+            mapped, so loading peaks at ~1.9x the weights (Qwen3.5-0.8B bf16: 5.1 GiB
+            against 2.6), above issue 15's target; off by default until the loader packs
+            without mapping them.
         tensor_parallel_size: accepted for vLLM command lines; only 1 (one device) runs.
         generation_config: default sampling parameters: 'auto' reads the checkpoint's
             generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
@@ -153,7 +156,7 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     mamba_ssm_cache_dtype: str = field(default="auto", metadata={"choices": MAMBA_SSM_CACHE_DTYPES})
     device: str = "cpu"
-    pack_weights: bool = True
+    pack_weights: bool = False
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
     generation_config: str = field(default="auto", metadata={"metavar": "auto|vllm|PATH"})
     override_generation_config: dict[str, Any] | None = field(

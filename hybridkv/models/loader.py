@@ -139,7 +139,7 @@ def load_model(
     kv_dtype: str | None = None,
     ssm_dtype: str | None = None,
     tokenizer_dir: str | Path | None = None,
-    pack_weights: bool = True,
+    pack_weights: bool = False,
 ) -> LoadedModel:
     """Build the model of ``model_dir`` in ``dtype`` and load its weights.
 
@@ -149,7 +149,8 @@ def load_model(
     rule, except that an fp32 model keeps everything in fp32. The tokenizer is read from
     ``tokenizer_dir`` if given, else from ``model_dir`` (none there: no tokenizer). On the
     CPU, ``pack_weights`` lays the large linear weights out once for oneDNN
-    (:mod:`hybridkv.layers.packed_linear`): faster, inference only.
+    (:mod:`hybridkv.layers.packed_linear`): faster, inference only, and a higher peak
+    while loading (the packed copies are made beside the mapped checkpoint).
 
     Raises:
         ValueError: unsupported dtype or model type.

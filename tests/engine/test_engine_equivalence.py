@@ -90,11 +90,11 @@ def test_packed_weights_keep_every_answer(
     packed by default, so the threshold is lowered to 0): the multi-turn scenario with the
     cache on gives transformers' greedy answers, the same as plain weights with it off."""
     hf, path = checkpoints(arch)
-    plain = run_scenario(LLM(str(path), enable_prefix_caching=False, pack_weights=False, **OPTIONS))
+    plain = run_scenario(LLM(str(path), enable_prefix_caching=False, **OPTIONS))
     monkeypatch.setattr(
         packed_linear, "MIN_PACKED_ELEMENTS", dict.fromkeys(packed_linear.MIN_PACKED_ELEMENTS, 0)
     )
-    llm = LLM(str(path), **OPTIONS)
+    llm = LLM(str(path), pack_weights=True, **OPTIONS)
     assert any(isinstance(m, packed_linear.PackedLinear) for m in llm.engine.runner.model.modules())
     packed = run_scenario(llm)
     for (p, reply, _), (_, reply_plain, cached_plain) in zip(packed, plain, strict=True):
