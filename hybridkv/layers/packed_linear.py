@@ -124,10 +124,13 @@ def pack_linears(model: nn.Module, *, min_elements: int | None = None) -> int:
     shared = _tied_weights(model)
     replaced: dict[int, nn.Module] = {}
     packed_own = 0
-    for module in list(model.modules()):
+    for module in model.modules():
         if isinstance(module, PacksOwnWeights):
             packed_own += module.pack_weights(min_elements)
-    for parent in list(model.modules()):
+    # parents only: a list of every module would keep each replaced Linear (and its plain
+    # weight) alive until the end, doubling the weights' memory at the peak
+    parents = [m for m in model.modules() if any(isinstance(c, nn.Linear) for c in m.children())]
+    for parent in parents:
         for child_name, child in list(parent.named_children()):
             if id(child) not in replaced:
                 if not isinstance(child, nn.Linear) or not _packable(child, shared, min_elements):

@@ -81,17 +81,61 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path], progress: bool = False) -> Iterator[tuple[str, Tensor]]:
+def iter_safetensors(
+    files: list[Path], progress: bool = False, mapped: bool = True
+) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor) of every tensor, one at a time, so peak memory stays one tensor.
 
+    ``mapped``: tensors are views of the memory-mapped file (no copy; a page is read when
+    first used); else each is read into memory of its own, so nothing stays mapped once
+    the caller drops it (weights that are repacked right after loading).
     ``progress``: a bar over the shards on stderr.
     """
     with _shard_progress(progress, len(files)) as advance:
         for path in files:
-            with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                    yield name, f.get_tensor(name)
+            if mapped:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                        yield name, f.get_tensor(name)
+            else:
+                yield from _read_safetensors(path)
             advance()
+
+
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, Tensor]]:
+    """Every tensor of one safetensors file read (not mapped) into a buffer of its own.
+
+    The format: an 8-byte little-endian header length, a JSON header of ``{name: {dtype,
+    shape, data_offsets: [begin, end]}}`` (offsets after the header), then the data.
+    """
+    with path.open("rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        base = 8 + header_len
+        entries = [(n, e) for n, e in header.items() if n != "__metadata__"]
+        for name, entry in sorted(entries, key=lambda item: item[1]["data_offsets"][0]):
+            begin, end = entry["data_offsets"]
+            data = torch.empty(end - begin, dtype=torch.uint8)
+            f.seek(base + begin)
+            if f.readinto(data.numpy()) != end - begin:
+                raise ValueError(f"{path}: tensor {name!r} is truncated")
+            yield name, data.view(_SAFETENSORS_DTYPES[entry["dtype"]]).view(entry["shape"])
 
 
 @contextlib.contextmanager
@@ -176,10 +220,13 @@ def load_model(
         param.data = param.data.to(TORCH_DTYPES[dtype])
     model.materialize_device = torch.device(device)
     files = safetensors_files(model_dir)
-    model.load_weights(iter_safetensors(files, progress=len(files) > 1 and sys.stderr.isatty()))
+    pack = pack_weights and device == "cpu"
+    progress = len(files) > 1 and sys.stderr.isatty()
+    # packing copies the weights: read them unmapped, or the mapped pages stay resident too
+    model.load_weights(iter_safetensors(files, progress=progress, mapped=not pack))
     model.to(device)  # the buffers; the parameters are there already
     model.eval()
-    packed = pack_linears(model) if pack_weights and device == "cpu" else 0
+    packed = pack_linears(model) if pack else 0
     logger.info(
         "loaded %s in %.1f s: %.2f GiB of %s weights from %d shard(s), %d linear(s) packed",
         model_dir,

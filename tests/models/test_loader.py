@@ -154,3 +154,45 @@ def test_tokenizer_from_another_directory(tmp_path: Path) -> None:
     assert load_model(tmp_path / "ckpt", "float32").tokenizer is None
     lm = load_model(tmp_path / "ckpt", "float32", tokenizer_dir=tmp_path / "tok")
     assert lm.tokenizer is not None and lm.tokenizer.encode("hello")
+
+
+def test_unmapped_reads_equal_the_mapped_tensors(tmp_path: Path) -> None:
+    """Weights that are packed after loading are read into memory of their own (not left
+    mapped from the file): the same names, dtypes, shapes and bits as safetensors' own."""
+    from hybridkv.models.loader import iter_safetensors
+
+    gen = torch.Generator().manual_seed(0)
+    tensors = {
+        "w.bf16": torch.randn(7, 5, generator=gen).to(torch.bfloat16),
+        "w.f32": torch.randn(3, 4, 2, generator=gen),
+        "w.f16": torch.randn(9, generator=gen).to(torch.float16),
+        "ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+    }
+    files = []
+    for i, names in enumerate((["w.bf16", "ids", "scalar"], ["w.f32", "w.f16", "mask"])):
+        files.append(tmp_path / f"part{i}.safetensors")
+        save_file({n: tensors[n] for n in names}, files[-1], metadata={"format": "pt"})
+    mapped = dict(iter_safetensors(files))
+    read = dict(iter_safetensors(files, mapped=False))
+    assert mapped.keys() == read.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert read[name].dtype == tensor.dtype and read[name].shape == tensor.shape, name
+        assert torch.equal(read[name], tensor) and torch.equal(mapped[name], tensor), name
+
+
+def test_packed_load_gives_the_same_logits_in_bfloat16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pack_weights``: weights read unmapped and packed (thresholds lowered so the tiny
+    model's are), the same bf16 logits as the plain load."""
+    import hybridkv.layers.packed_linear as packed_linear
+
+    path = save_checkpoint(make_hf_model("qwen3_5_text"), tmp_path)
+    plain = load_model(path, "bfloat16")
+    for dtype in list(packed_linear.MIN_PACKED_ELEMENTS):
+        monkeypatch.setitem(packed_linear.MIN_PACKED_ELEMENTS, dtype, 0)
+    packed = load_model(path, "bfloat16", pack_weights=True)
+    assert any(isinstance(m, packed_linear.PackedLinear) for m in packed.model.modules())
+    assert torch.equal(run(packed), run(plain))
