@@ -115,10 +115,9 @@ class EngineConfig:
         device: torch device ('cpu', 'cuda', ...).
         pack_weights: on the CPU, lay the large linear weights out once in oneDNN's blocked
             format (see hybridkv.layers.packed_linear): faster small-batch and fp32
-            matmuls, but the packed copies are made while the checkpoint's pages are
-            mapped, so loading peaks at ~1.9x the weights (Qwen3.5-0.8B bf16: 5.1 GiB
-            against 2.6), above issue 15's target; off by default until the loader packs
-            without mapping them.
+            matmuls, but a slower load (the checkpoint is read into memory and reordered:
+            Qwen3.5-0.8B bf16 7.2 s against 0.8 s plain, benchmarks/load_memory.py), so
+            off by default.
         tensor_parallel_size: accepted for vLLM command lines; only 1 (one device) runs.
         generation_config: default sampling parameters: 'auto' reads the checkpoint's
             generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,

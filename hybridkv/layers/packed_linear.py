@@ -4,9 +4,9 @@
 use the machine's widest vectors (fp32: MKL picks a narrower path on some AMD CPUs) on
 every call. oneDNN can lay a weight out once, in the blocked format its kernel reads, and
 then multiply by it directly. Measured on this project's 2-core AMD EPYC (one thread,
-micro-benchmark in docs/architecture.md §6): bf16 1.4-2.2x faster at
-1-8 rows and 1.02-1.16x at 64-512; fp32 2.3-2.9x faster from 8 rows up, equal at one row on
-large weights. The products are bit-identical to ``F.linear`` in bf16, and in fp32 agree to
+``python benchmarks/cpu_matmul_dtypes.py``): bf16 1.2-1.5x faster at 1-16 rows and
+1.02-1.14x from 64; fp32 1.7-2.4x faster from 8 rows up, equal at one row on large
+weights. The products are bit-identical to ``F.linear`` in bf16, and in fp32 agree to
 rounding (~1e-5 relative); packed fp32 products are also the same whatever the number of
 rows, where MKL's are not. A packed call costs ~10 us of fixed overhead, so small weights
 stay plain (:data:`MIN_PACKED_ELEMENTS`): below 512 x 512 in bf16, and below 1024 x 1024 in

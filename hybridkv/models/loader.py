@@ -193,8 +193,9 @@ def load_model(
     rule, except that an fp32 model keeps everything in fp32. The tokenizer is read from
     ``tokenizer_dir`` if given, else from ``model_dir`` (none there: no tokenizer). On the
     CPU, ``pack_weights`` lays the large linear weights out once for oneDNN
-    (:mod:`hybridkv.layers.packed_linear`): faster, inference only, and a higher peak
-    while loading (the packed copies are made beside the mapped checkpoint).
+    (:mod:`hybridkv.layers.packed_linear`): faster, inference only; the checkpoint is
+    then read into memory rather than mapped (a packed copy made from mapped pages would
+    leave them resident beside it), which makes the load slower.
 
     Raises:
         ValueError: unsupported dtype or model type.

@@ -120,13 +120,13 @@ def prefill_groups(shapes: list[tuple[int, int]], requests: list[int]) -> list[l
     max_q = max_k = real = 0
     for i in order:
         q, k = shapes[i]
-        new_k, new_real = max(max_k, k), real + q * k
-        padded = (len(members) + 1) * max(max_q, q) * new_k
-        if members and padded > max(PADDING_SLACK * new_real, new_real + SMALL_BATCH_SCORES):
-            groups.append(members)
-            members, max_q, new_k, new_real = [], q, k, q * k
+        with_it = real + q * k
+        padded = (len(members) + 1) * max(max_q, q) * max(max_k, k)
+        if members and padded > max(PADDING_SLACK * with_it, with_it + SMALL_BATCH_SCORES):
+            groups.append(members)  # i starts the next batch
+            members, max_q, max_k, real = [], 0, 0, 0
         members.append(i)
-        max_q, max_k, real = max(max_q, q), new_k, new_real
+        max_q, max_k, real = max(max_q, q), max(max_k, k), real + q * k
     if members:
         groups.append(members)
     return [[requests[i] for i in sorted(group)] for group in groups]
