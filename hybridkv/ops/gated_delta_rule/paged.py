@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hybridkv.ops.exp import decay_exp_
 from hybridkv.ops.gated_delta_rule.naive import chunk_gated_delta_rule, l2norm
 from hybridkv.ops.paged_state import (
     DecodeRows,
@@ -113,7 +114,7 @@ def _chunks(
 
     cum = g.cumsum(dim=-1)  # [N, Hv, C]
     upper = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1)
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill_(upper, float("-inf")).exp_()
+    decay = decay_exp_(cum[..., :, None] - cum[..., None, :], upper)  # exp(cum_i - cum_j), i >= j
     decay_g = decay.view(*grouped, size)  # [N, Hk, r, C, C]
     kk = (k @ k.transpose(-1, -2))[:, :, None]  # [N, Hk, 1, C, C]
     ut = (kk * decay_g).mul_(beta.view(*grouped, 1)).view_as(decay)  # unit lower-triangular
@@ -121,10 +122,12 @@ def _chunks(
     k_g = k[:, :, None]  # [N, Hk, 1, C, Dk]
     ut_inv = unit_lower_inverse(ut)
     u = ut_inv @ v.mul_(beta[..., None])
-    w = ut_inv @ (k_g * (beta * cum.exp()).view(*grouped, 1)).view(-1, heads, size, k_dim)
-    q = (q[:, :, None] * cum.exp().view(*grouped, 1)).view(-1, heads, size, k_dim)
-    k_end = (k_g * (cum[..., -1:] - cum).exp().view(*grouped, 1)).view(-1, heads, size, k_dim)
-    end_decay = cum[..., -1].exp()[..., None, None]  # [N, Hv, 1, 1]
+    start_decay = decay_exp_(cum.clone())  # [N, Hv, C]
+    w = ut_inv @ (k_g * (beta * start_decay).view(*grouped, 1)).view(-1, heads, size, k_dim)
+    q = (q[:, :, None] * start_decay.view(*grouped, 1)).view(-1, heads, size, k_dim)
+    to_end = decay_exp_(cum[..., -1:] - cum).view(*grouped, 1)
+    k_end = (k_g * to_end).view(-1, heads, size, k_dim)
+    end_decay = start_decay[..., -1, None, None]  # [N, Hv, 1, 1]
 
     state = read_states(view, layout.pages, layout.fresh, "gdn.state")  # [Rp, Hv, Dk, Dv]
     out = torch.empty(num_chunks, heads, size, v_dim, device=q.device)

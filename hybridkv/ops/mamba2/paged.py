@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from hybridkv.ops.exp import decay_exp_
 from hybridkv.ops.mamba2.naive import (
     NO_DT_LIMIT,
     DtLimit,
@@ -88,14 +89,15 @@ def _chunks(
     A_cum = torch.cumsum(A_dt, dim=-1)  # [Nc, H, L]
 
     # inside each chunk: scores C_l . B_s decayed from s to l
-    decay = torch.exp(segment_sum(A_dt))  # [Nc, H, L(l), L(s)]
+    upper = torch.ones(size, size, dtype=torch.bool, device=A_dt.device).triu(1)
+    decay = decay_exp_(segment_sum(A_dt), upper)  # [Nc, H, L(l), L(s)]
     scores = (C @ B.transpose(-1, -2))[:, :, None] * _grouped(decay, groups)
     y = (scores.view_as(decay) @ x_dt).view(num_chunks, heads, size, head_dim)
     # the state each chunk adds by its end, from a zero start: [Nc, H, P, N]
-    x_end = x_dt * torch.exp(A_cum[..., -1:] - A_cum)[..., None]
+    x_end = x_dt * decay_exp_(A_cum[..., -1:] - A_cum)[..., None]
     chunk_states = (_grouped(x_end, groups).transpose(-1, -2) @ B[:, :, None]).flatten(1, 2)
-    end_decay = torch.exp(A_cum[..., -1])[..., None, None]  # [Nc, H, 1, 1]
-    start_decay = torch.exp(A_cum)[..., None]  # [Nc, H, L, 1]
+    start_decay = decay_exp_(A_cum.clone())[..., None]  # [Nc, H, L, 1]
+    end_decay = start_decay[..., -1:, :]  # [Nc, H, 1, 1]
 
     state = read_states(view, layout.pages, layout.fresh, "ssd.state")  # [Rp, H, P, N]
     for (first, count), captures in zip(layout.steps, layout.captures, strict=True):
