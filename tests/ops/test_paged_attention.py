@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from hybridkv.ops.paged_attention import (
+    batched,
     build_attention_plan,
     paged_attention,
     paged_attention_reference,
@@ -159,13 +160,20 @@ def test_batched_matches_reference_and_dense(
         torch.testing.assert_close(out[lo:hi], batched_step.dense(r), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["mixed", "fresh_ragged", "prefix_ragged"])
-def test_bf16_batched_matches_reference(name: str) -> None:
+@pytest.mark.parametrize("window", [None, 5], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("name", ["mixed", "decodes", "fresh_ragged", "prefix_ragged"])
+def test_bf16_batched_matches_reference(name: str, window: int | None) -> None:
+    """In bf16 the decodes run as two matmuls around an fp32 softmax, the prefills as SDPA:
+    both within bf16 rounding of the reference and of dense fp32 attention."""
     computed, new = STEPS[name]
-    out = Step(computed, new, None, torch.bfloat16, seed=3).run_batched()
-    ref = Step(computed, new, None, torch.bfloat16, seed=3).run_reference()
+    step = Step(computed, new, window, torch.bfloat16, seed=3)
+    out = step.run_batched()
+    ref = Step(computed, new, window, torch.bfloat16, seed=3).run_reference()
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    for r in range(len(new)):
+        lo, hi = step.starts[r], step.starts[r + 1]
+        torch.testing.assert_close(out[lo:hi].float(), step.dense(r).float(), atol=2e-2, rtol=2e-2)
 
 
 def test_plan_uses_causal_rule_only_without_a_prefix() -> None:
@@ -208,3 +216,19 @@ def test_prefill_groups_bound_the_padding() -> None:
         padded = len(group) * max(shapes[r][0] for r in group) * max(shapes[r][1] for r in group)
         assert padded <= max(plan.PADDING_SLACK * real, real + plan.SMALL_BATCH_SCORES)
     assert 1 < len(groups) < len(shapes)
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "strided_slots"])
+def test_head_major_gather_equals_the_transposed_one(padded: bool) -> None:
+    """The decode gather straight into [n, Hkv, Lk, d] reads what the slot gather reads,
+    whether the slots are packed (one index_select of head rows) or not (the fallback)."""
+    gen = torch.Generator().manual_seed(5)
+    full = torch.randn(7, B, HKV + (1 if padded else 0), D, generator=gen, dtype=torch.bfloat16)
+    cache = full[:, :, :HKV]  # padded: slot stride (HKV + 1) * D, not HKV * D
+    pages = torch.randint(0, 7, (3, 10), generator=gen)
+    slots = torch.randint(0, B, (3, 10), generator=gen)
+    keys = plan.KeyGather(pages, slots, None)
+    got = batched._gather_heads(cache, keys, torch.float32)
+    want = batched._gather(cache, keys, torch.float32)
+    assert got.is_contiguous() and got.shape == (3, HKV, 10, D)
+    assert torch.equal(got, want)

@@ -4,7 +4,8 @@ Contract: :func:`store_kv` writes a step's K/V first, then :func:`paged_attentio
 exactly positions ``[0, seq_len)`` (or the sliding window) of each request. Both take an
 :class:`AttentionPlan`, the step's index tensors for one attention group, built once by
 :func:`build_attention_plan` and shared by the group's layers. The engine's path is
-:mod:`.batched` (one SDPA call for the decodes, one per batch of similar prefill chunks, per layer);
+:mod:`.batched` (one batched call for the decodes — two matmuls in bf16/fp16, SDPA in fp32 —
+and one SDPA call per batch of similar prefill chunks, per layer);
 :mod:`.naive` is its per-request specification. A flash/flex kernel would be dispatched
 here behind the same calls.
 """

@@ -45,6 +45,7 @@ class KeyGather:
 class DecodeBatch:
     rows: Tensor  # [N] int64 row of each one-token request
     keys: KeyGather  # mask [N, 1, 1, Lk]
+    bias: Tensor  # [N, 1, 1, Lk] fp32: 0 where the mask keeps a key, -inf where it drops it
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +166,9 @@ def _decode_batch(
         first = (lens - window_tokens).clamp(min=0)
     pages, slots, _, valid = _key_columns(block_table, reqs, first, lens, block_tokens)
     rows = torch.tensor([starts[r] for r in requests], device=device)
-    return DecodeBatch(rows=rows, keys=KeyGather(pages, slots, valid[:, None, None, :]))
+    mask = valid[:, None, None, :]
+    bias = torch.zeros(mask.shape, device=device).masked_fill_(~mask, float("-inf"))
+    return DecodeBatch(rows=rows, keys=KeyGather(pages, slots, mask), bias=bias)
 
 
 def _prefill_batch(
