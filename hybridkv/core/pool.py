@@ -150,8 +150,9 @@ class PagePool:
     def release(self, page: PageId, now: int, demote: bool = False) -> None:
         """Drop a reference; at zero the page becomes cached (if hashed) or free.
 
-        ``demote``: a cached page goes to the front of the eviction queue with the
-        last-use time it had (a superseded snapshot: worth less than anything recent).
+        ``demote``: a cached page goes to the front of the eviction queue, older than
+        any page of any group (a superseded snapshot: worth less than anything recent;
+        :meth:`demote`).
         """
         ref = self._ref[page] - 1
         assert ref >= 0, f"group {self.group_id}: page {page} released more than taken"
@@ -161,8 +162,6 @@ class PagePool:
         chunk = self.chunk_of(page)
         self._referenced[chunk] -= 1
         if page in self._hash and demote:
-            used = self.last_used[page]
-            self._newest_use[chunk] = max(self._newest_use.get(chunk, 0), used)
             self._to_front(page)
             return
         self.last_used[page] = now
@@ -174,7 +173,16 @@ class PagePool:
             self._put_free(page)
 
     def demote(self, page: PageId) -> None:
-        """Move a cached page to the front of the eviction queue (evicted next)."""
+        """Move a cached page to the front of the eviction queue (evicted next).
+
+        Its last use becomes its (negative) place at the front, older than any real use
+        of any group: the allocator compares this group's oldest page with whole chunks
+        of other groups by last use, and a demoted page that kept the time of its last
+        reference (its snapshot's reservation, usually a step or two ago) looked newer
+        than a conversation's KV freed a few steps before. LRU then evicted that KV
+        instead of the superseded snapshot (Qwen3.5-27B, ``agentic`` at 64 GiB: the one
+        request that lost its hit lost 3,792 tokens so; docs/simulator.md).
+        """
         if page in self._cached:
             self._to_front(page)
 
@@ -182,6 +190,22 @@ class PagePool:
         self._front_seq -= 1
         self._cached[page] = self._front_seq
         self._cached.move_to_end(page, last=False)
+        self.last_used[page] = self._front_seq
+        self._refresh_newest_use(self.chunk_of(page))
+
+    def _refresh_newest_use(self, chunk: int) -> None:
+        """The chunk's newest use over its cached pages (after one of them was demoted).
+
+        Pages in use are left out: the chunk is not reclaimable while they are, and each
+        one's release raises the value again. O(pages per chunk); only demotions call it.
+        """
+        first = chunk * self._ppc
+        count = self.arena.layout.pages_in_chunk(self.group_id, chunk)
+        self._newest_use[chunk] = max(
+            self.last_used[PageId(p)]
+            for p in range(first, first + count)
+            if PageId(p) in self._cached
+        )
 
     def cache(self, page: PageId, block_hash: BlockHash, saved_tokens: int) -> bool:
         """Register a referenced page under a hash. False if the hash is already cached."""

@@ -23,10 +23,11 @@ from core_factories import (
 )
 
 from hybridkv.core.checkpoint import CheckpointPolicy
+from hybridkv.core.hashing import BlockHash
 from hybridkv.core.ids import ReqId
 from hybridkv.core.manager import CacheManager
 
-A, B, C = ReqId("a"), ReqId("b"), ReqId("c")
+A, B, C, K, K2 = ReqId("a"), ReqId("b"), ReqId("c"), ReqId("k"), ReqId("k2")
 ATTN, STATE = 0, 1
 
 
@@ -71,6 +72,54 @@ def test_released_superseded_snapshot_is_evicted_before_newer_cached_pages() -> 
     assert cached_snapshot_positions(mgr, tokens(8)) == [8]  # a's 4 went first
     assert cached_snapshot_positions(mgr, tokens(5, start=500)) == [4]  # c's survived
     mgr.check_integrity()
+
+
+def test_demoted_snapshot_goes_before_another_groups_older_chunk() -> None:
+    # k's KV fills attention chunk 0 and is freed; later a's prompt end (4) is superseded
+    # and demoted. b's live state then needs a page with no chunk free: the candidates are
+    # the demoted snapshot and k's whole KV chunk, which was used before the snapshot's
+    # reservation. Demoted means older than anything: the snapshot goes, k's prefix stays.
+    # (Before, the snapshot kept the time of its reservation, and LRU took k's KV.)
+    mgr = make_manager(num_chunks=4)
+    k_prompt = tokens(13, start=700)
+    mgr.add_request(K, k_prompt)
+    prefill(mgr, "k", 13)
+    mgr.free(K)
+    for _ in range(5):
+        mgr.allocator.tick()
+    mgr.add_request(A, tokens(8))
+    prefill(mgr, "a", 8)
+    assert cached_snapshot_positions(mgr, tokens(8)) == [4, 8]
+    assert mgr.allocator.arena.num_free_chunks == 0
+    mgr.add_request(B, tokens(4, start=900))
+    assert mgr.allocate(B, 3, mgr.find_hit(B)) is not None
+    assert cached_snapshot_positions(mgr, tokens(8)) == [8]  # the demoted 4 went
+    mgr.add_request(K2, [*k_prompt, 1, 2, 3])
+    assert mgr.find_hit(K2).num_tokens == 12  # k's KV and its prompt-end snapshot stayed
+    mgr.check_integrity()
+
+
+def test_a_chunk_of_demoted_snapshots_is_older_than_any_used_page() -> None:
+    # The other direction: attention needs a page, and the state chunk whose pages are
+    # all demoted snapshots (released after the attention page was) goes first.
+    mgr = make_manager(num_chunks=2)
+    alloc = mgr.allocator
+    kv, states = alloc.pools[ATTN], alloc.pools[STATE]
+    attn_pages = [alloc.allocate(ATTN) for _ in range(3)]  # chunk 0
+    for i, page in enumerate(attn_pages):
+        assert page is not None and kv.cache(page, BlockHash(b"kv%d" % i), saved_tokens=4)
+        kv.release(page, alloc.tick())
+    state_pages = [alloc.allocate(STATE) for _ in range(2)]  # chunk 1
+    for i, page in enumerate(state_pages):
+        assert page is not None and states.cache(page, BlockHash(b"state%d" % i), saved_tokens=4)
+        states.release(page, alloc.tick(), demote=True)
+    state_chunk = states.chunk_of(state_pages[0])
+    assert states.chunk_newest_use(state_chunk) < min(kv.last_used[p] for p in attn_pages)
+    page = alloc.allocate(ATTN)
+    assert page is not None and kv.chunk_of(page) == state_chunk  # the snapshots' chunk
+    assert all(kv.lookup(BlockHash(b"kv%d" % i)) is not None for i in range(3))
+    assert all(states.lookup(BlockHash(b"state%d" % i)) is None for i in range(2))
+    alloc.check_integrity()
 
 
 def test_decode_boundary_rewrites_the_newest_snapshot_page_in_place() -> None:
