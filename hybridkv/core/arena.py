@@ -8,7 +8,7 @@ KV as the workload shifts (no static split between a state pool and a KV pool).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 from hybridkv.core.layout import ArenaLayout
 
@@ -97,6 +97,18 @@ class ChunkArena:
             self._owner[chunk] = group_id
             self.num_transfers += 1
         return chunk
+
+    def peek(self, group_id: int) -> int | None:
+        """The chunk :meth:`take` would hand the group now (None: none is free). Read-only."""
+        tail = self.layout.num_full_chunks
+        if self.layout.tail_bytes and self._owner[tail] is None and self.usable(group_id, tail):
+            return tail
+        usable = [c for c in self._free if self.usable(group_id, c)]
+        return min(usable) if usable else None
+
+    def num_free_usable(self, group_ids: Collection[int]) -> int:
+        """Free chunks that at least one of the groups can use."""
+        return sum(1 for c in self._free if any(self.usable(g, c) for g in group_ids))
 
     def take_chunk(self, group_id: int, chunk: int) -> None:
         """Give one particular free chunk back to a group (undoing an eviction)."""

@@ -27,3 +27,9 @@ class CacheConfig:
     # None: memory flows between groups. A fraction: recurrent groups are pinned to that
     # share of the chunks and attention to the rest (emulates SGLang's static split).
     state_memory_fraction: float | None = None
+    # While the scheduler expects to admit waiting requests (CacheManager.expect_admissions),
+    # a token group that needs a page evicts one of its own cached pages rather than take
+    # a chunk their live states will need (PageAllocator.reserve): KV pages of running
+    # requests end up in most chunks, and a state page needs a whole unreferenced one, so a
+    # chunk KV takes rarely comes back. False: the core before (and vLLM's emulations).
+    reserve_live_states: bool = True

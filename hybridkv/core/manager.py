@@ -183,6 +183,7 @@ class CacheManager:
         self._queued_parents: Counter[BlockHash] = Counter()
         # branch points started requests are still computing: (blocks, hash of the last)
         self._pending_branches: Counter[tuple[int, BlockHash]] = Counter()
+        self._expected_admissions = 0  # expect_admissions, less the requests started since
         self.stats = CacheStats()
 
     def _make_group(self, group: GroupSpec) -> GroupManager:
@@ -241,6 +242,24 @@ class CacheManager:
             blocks <= len(hashes) and hashes[blocks - 1] == last
             for blocks, last in self._pending_branches
         )
+
+    def expect_admissions(self, num_requests: int) -> None:
+        """Up to ``num_requests`` waiting requests may be admitted before the next call
+        (the scheduler says so at the start of every step: waiting ones, up to the free
+        seats). Each needs a live page per state group, and a state page of a big model
+        is a whole chunk: until they start, token groups that need a page give up one of
+        their own cached pages rather than take a chunk those live states will need
+        (:meth:`PageAllocator.reserve`; ``CacheConfig.reserve_live_states``). Each
+        request's first allocation takes one off the count.
+        """
+        self._expected_admissions = max(0, num_requests)
+        self._reserve_live_states()
+
+    def _reserve_live_states(self) -> None:
+        if not self.config.reserve_live_states:
+            return
+        count = self._expected_admissions
+        self.allocator.reserve(dict.fromkeys(self.state_groups, count))
 
     def add_request(self, req_id: ReqId, prompt_token_ids: Sequence[int]) -> None:
         if req_id in self._reqs:
@@ -367,6 +386,9 @@ class CacheManager:
 
     def _start(self, req: CachedRequest) -> None:
         req.started = True
+        if self._expected_admissions:
+            self._expected_admissions -= 1
+            self._reserve_live_states()
         req.num_cached_tokens = req.num_computed
         self.stats.query_tokens += req.prompt_len
         self.stats.hit_tokens += req.num_computed

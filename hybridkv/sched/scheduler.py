@@ -18,7 +18,10 @@ One step (the shape of vLLM v1 and nano-vllm)::
                                     the ones behind it are admitted meanwhile
 
 Waiting prompts are announced to the manager, so the first of many requests behind one
-shared prefix snapshots where they branch off it (``CacheManager.announce``).
+shared prefix snapshots where they branch off it (``CacheManager.announce``). Each step
+also tells it how many waiting sequences it may admit (waiting ones, up to the free
+seats: ``CacheManager.expect_admissions``), so the running sequences' KV growth leaves
+the chunks their live states need.
 
 Speculative decoding: a decoding sequence the engine gave ``num_draft_tokens`` runs its last
 token and that many drafts as one chunk (they count against the token budget), with a
@@ -126,6 +129,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        seats = max(0, self.max_num_seqs - len(self.running))
+        self.manager.expect_admissions(min(len(self.waiting), seats))
         for seq in list(self.running):
             if budget == 0:
                 break

@@ -9,17 +9,19 @@ the same hashing and the same trace (docs/simulator.md says what each one leaves
                             forward (branch points, prompt end, every ~4096 prompt
                             tokens, sequence end; a request
                             holds only its live state, its newest snapshot is parked in the
-                            cache), LRU eviction with superseded snapshots demoted (the
+                            cache), LRU eviction with superseded snapshots demoted,
+                            chunks kept for the live states of waiting requests (the
                             core's defaults)
     hybridkv-prompt-end     the policy before issue 12: no branch points nor prefill grid,
                             a request holds
                             its newest snapshot, and prefill chunks cut at the prompt-end
-                            snapshot (one step more)
+                            snapshot (one step more); no live-state reserve
     hybridkv-cost           hybridkv with cost-aware eviction (Marconi's utility)
     unified-page            vLLM's sizing: attention blocks inflated until one layer's KV
                             page is as big as one layer's state (planner.unified_baseline),
                             prefix blocks of that size and a snapshot at every block, all kept,
-                            taken inside the forward (vLLM's "all" mamba cache mode)
+                            taken inside the forward (vLLM's "all" mamba cache mode), no
+                            live-state reserve
     unified-page-retention  the same, keeping one snapshot per RETENTION_BLOCKS blocks
                             (plus the prompt end and the newest)
     static-split            SGLang's default pools: states get r/(1+r) of the memory with
@@ -61,6 +63,7 @@ def _hybridkv_prompt_end(model: ModelSpec, memory_bytes: int) -> CacheConfig:
             at_branch_points=False, release_newest=False, prefill_grid_tokens=None
         ),
         split_prefill_at_snapshots=True,
+        reserve_live_states=False,
     )
 
 
@@ -79,6 +82,7 @@ def _unified(retention_blocks: int | None) -> Callable[[ModelSpec, int], CacheCo
             block_tokens=block,
             checkpoint=policy,
             eviction=EvictionPolicy.LRU,
+            reserve_live_states=False,  # vLLM's running requests take any free block
         )
 
     return make

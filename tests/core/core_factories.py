@@ -140,8 +140,10 @@ def make_manager(
     checkpoint: CheckpointPolicy | None = None,
     eviction: EvictionPolicy = EvictionPolicy.LRU,
     split: bool = False,
+    reserve: bool = True,
 ) -> CacheManager:
-    """``split``: prefill chunks are cut at snapshots (``split_prefill_at_snapshots``)."""
+    """``split``: prefill chunks are cut at snapshots (``split_prefill_at_snapshots``);
+    ``reserve``: ``CacheConfig.reserve_live_states``."""
     model = model or hybrid_model()
     layout = make_layout(
         model, num_chunks=num_chunks, block_tokens=block_tokens, tail_bytes=tail_bytes
@@ -153,6 +155,7 @@ def make_manager(
         checkpoint=checkpoint or CheckpointPolicy(),
         eviction=eviction,
         split_prefill_at_snapshots=split,
+        reserve_live_states=reserve,
     )
     return CacheManager(model, config, layout=layout)
 

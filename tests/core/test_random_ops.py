@@ -3,9 +3,10 @@
 Requests share prefixes, memory is tight (a handful of chunks), so hits, branch points
 (a prefix shared with a cached or running prompt), several snapshots in one chunk,
 parked snapshots evicted under pressure, evictions across groups, failed allocations
-and preemptions all happen, and so do prefix-cache resets between steps. After every rule
-``check_integrity()`` runs; a failed allocation must leave every count as it was; at
-the end, with every request freed, no page is referenced.
+and preemptions all happen, and so do prefix-cache resets between steps and expected
+admissions (token groups then evict their own cached pages to leave chunks to states).
+After every rule ``check_integrity()`` runs; a failed allocation must leave every count
+as it was; at the end, with every request freed, no page is referenced.
 
 The machine also plays the runner: it records which prefix every page holds (the
 tokens a KV block or a state has seen) when a step computes it, copies states for
@@ -112,6 +113,11 @@ def machine(
             self.mgr.add_request(req_id, prompt)
             self.prompt_len[req_id] = len(prompt)
             return req_id
+
+        @rule(count=st.integers(0, 3))
+        def expect(self, count: int) -> None:
+            """The scheduler expects admissions: token groups leave chunks to live states."""
+            self.mgr.expect_admissions(count)
 
         @precondition(lambda self: self.queued)
         @rule()

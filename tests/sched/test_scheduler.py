@@ -7,6 +7,9 @@ chunk). Each test drives ``schedule`` / ``advance`` by hand the way the engine's
 
 from __future__ import annotations
 
+import pytest
+
+from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.ids import ReqId
 from hybridkv.core.manager import CacheManager
 from hybridkv.sched.request import Sequence, SequenceStatus
@@ -336,3 +339,49 @@ def test_requests_behind_a_waiting_one_are_admitted_meanwhile() -> None:
     assert [s.seq_id for s in sched.waiting] == ["b"]
     assert work(run_step(sched)) == [("a", 13, 1), ("c", 3, 1), ("b", 8, 5)]
     mgr.check_integrity()
+
+
+@pytest.mark.parametrize("reserve", [True, False])
+def test_running_growth_leaves_a_waiting_sequences_live_state_its_chunk(reserve: bool) -> None:
+    """The scheduler tells the manager how many waiting sequences it may admit, so a
+    running sequence's new block comes from its own group's cached blocks, not from the
+    chunk the waiting one's live state needs (CacheManager.expect_admissions)."""
+    no_snapshots = CheckpointPolicy(
+        at_prompt_end=False, at_sequence_end=False, at_branch_points=False, prefill_grid_tokens=None
+    )
+    mgr = make_manager(num_chunks=4, checkpoint=no_snapshots, reserve=reserve)
+    sched = scheduler(mgr)
+    x = seq("x", 8)
+    sched.add(x)
+    run_step(sched)
+    sched.finish(x, "stop")  # its two blocks stay cached in chunk 0
+    sched.add(seq("a", 4))  # a's block beside them; a's and b's live states: chunk 1
+    sched.add(seq("b", 11))  # chunk 2
+    assert work(run_step(sched)) == [("a", 0, 4), ("b", 0, 11)]
+    assert mgr.allocator.arena.num_free_chunks == 1
+    sched.add(seq("w", 4))
+    out = run_step(sched)  # a's decode needs a second block
+    if reserve:
+        assert work(out) == [("a", 4, 1), ("b", 11, 1), ("w", 0, 4)]
+    else:  # a's block took the free chunk
+        assert work(out) == [("a", 4, 1), ("b", 11, 1)]
+        assert [s.seq_id for s in sched.waiting] == ["w"]
+    mgr.check_integrity()
+
+
+def test_the_manager_expects_the_waiting_sequences_up_to_the_free_seats() -> None:
+    mgr = make_manager(num_chunks=8, caching=False)
+    expected: list[int] = []
+    expect = mgr.expect_admissions
+
+    def spy(num_requests: int) -> None:
+        expected.append(num_requests)
+        expect(num_requests)
+
+    mgr.expect_admissions = spy  # type: ignore[method-assign]
+    sched = scheduler(mgr, max_num_seqs=2)
+    for s in (seq("a", 5), seq("b", 6), seq("c", 1)):
+        sched.add(s)
+    run_step(sched)  # 3 waiting, 2 seats
+    run_step(sched)  # 1 waiting, no seat
+    assert expected == [2, 0]
