@@ -106,24 +106,29 @@ class PageAllocator:
         if not self.pools[group_id].num_cached_pages:
             return False
         reserved = self._reserved
-        chunk = self.arena.peek(group_id)
-        if chunk is not None and not any(self.arena.usable(g, chunk) for g in reserved):
-            return False
         needed = 0
-        supply = self.arena.num_free_usable(reserved)
+        supply = 0
         for g, wanted in reserved.items():
             pool = self.pools[g]
             per_chunk = self.layout.pages_per_chunk(g)
             needed += -(-wanted // per_chunk)
             supply += (pool.num_free_pages + pool.num_cached_pages) // per_chunk
+        # counted until the supply covers the need: with plenty free (the common case)
+        # this stops after a few chunks instead of visiting the whole arena per call
+        supply += self.arena.num_free_usable(reserved, limit=needed - supply + 1)
         for pool in self.pools:
+            if supply > needed:
+                return False
             if pool.group_id not in reserved:
                 supply += sum(
                     1
                     for c in pool.reclaimable_chunks()
                     if any(self.arena.usable(g, c) for g in reserved)
                 )
-        return supply <= needed
+        if supply > needed:
+            return False
+        chunk = self.arena.peek(group_id)
+        return chunk is None or any(self.arena.usable(g, chunk) for g in reserved)
 
     def _candidates(self, group_id: int, own_only: bool = False) -> list[Candidate]:
         own = self.pools[group_id]

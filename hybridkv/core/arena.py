@@ -106,9 +106,18 @@ class ChunkArena:
         usable = [c for c in self._free if self.usable(group_id, c)]
         return min(usable) if usable else None
 
-    def num_free_usable(self, group_ids: Collection[int]) -> int:
-        """Free chunks that at least one of the groups can use."""
-        return sum(1 for c in self._free if any(self.usable(g, c) for g in group_ids))
+    def num_free_usable(self, group_ids: Collection[int], limit: int | None = None) -> int:
+        """Free chunks that at least one of the groups can use, counted up to ``limit``
+        (None: all of them)."""
+        if limit is not None and limit <= 0:
+            return 0
+        count = 0
+        for c in self._free:
+            if any(self.usable(g, c) for g in group_ids):
+                count += 1
+                if count == limit:
+                    break
+        return count
 
     def take_chunk(self, group_id: int, chunk: int) -> None:
         """Give one particular free chunk back to a group (undoing an eviction)."""
