@@ -174,6 +174,9 @@ def test_cancelled_reuse_puts_the_snapshot_back() -> None:
     group.cancel_snapshot(A, 12)  # what _reserve_snapshots does when another group fails
     assert parked(mgr, "a") == (8, page8)
     assert cached_snapshot_positions(mgr, tokens(6) + tokens(3, start=100)) == [4, 8]
+    # parked again at its recency, as park_newest parks it: not demoted to the front,
+    # where it would be older than any page of any group and evicted first
+    assert mgr.allocator.pools[STATE].cached_pages_oldest_first()[-1] == page8
     mgr.check_integrity()
 
 

@@ -258,8 +258,8 @@ class RecurrentGroup(GroupManager):
             cached = self.pool.cache(pending.page, block_hash, saved_tokens=previous)
             assert cached, "the hash of a reused snapshot cannot be taken while it is pending"
             self.num_snapshots_dropped -= 1
-            if pending.was_parked:
-                self.pool.release(pending.page, self.allocator.clock, demote=True)
+            if pending.was_parked:  # parked again at its recency, as park_newest does
+                self.pool.release(pending.page, self.allocator.clock)
                 state.parked = _Parked(previous, pending.page, block_hash)
                 return
             state.snapshots[previous] = pending.page
