@@ -118,8 +118,16 @@ class CheckpointPolicy:
         ``branch_tokens``: the request's branch point (0: none). The same positions as
         :meth:`is_checkpoint` over the range, found without visiting every block.
         """
+        branch_in_range = self.at_branch_points and start < branch_tokens <= end
+        if start >= prompt_len and not self.interval_tokens and not branch_in_range:
+            # a decode step (the common call, once per running request and step): past the
+            # prompt only sequence-end snapshots apply (a branch point is inside the prompt)
+            if not self.at_sequence_end:
+                return []
+            step = self.decode_interval_tokens or block_tokens
+            return list(_multiples(start, end, step))
         found: set[int] = set()
-        if self.at_branch_points and start < branch_tokens <= end:
+        if branch_in_range:
             found.add(branch_tokens)
         if self.at_prompt_end:
             prompt_end = self.prompt_end(prompt_len, block_tokens)
