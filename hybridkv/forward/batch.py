@@ -14,14 +14,18 @@ Per request (``num_computed`` = tokens already in the cache, ``n`` = tokens in t
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any, TypeVar, cast
 
 from torch import Tensor
 
 from hybridkv.forward.views import AttentionView
 from hybridkv.ops.paged_attention import AttentionPlan, build_attention_plan
 from hybridkv.ops.paged_state import StateBatch, StateCaptures
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -58,6 +62,7 @@ class ForwardBatch:
     _attention_plans: dict[tuple[int, int, int | None], AttentionPlan] = field(
         default_factory=dict, init=False, repr=False
     )
+    _per_step: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.has_initial_state is None:
@@ -67,6 +72,13 @@ class ForwardBatch:
 
     # Host-side copies of the metadata and the ops' index tensors, computed once per step
     # (not once per layer).
+
+    def per_step(self, key: Hashable, compute: Callable[[], T]) -> T:
+        """``compute()`` the first time ``key`` is asked for in this step, then the same
+        value: what every layer of a kind derives alike (RoPE's cos/sin tables)."""
+        if key not in self._per_step:
+            self._per_step[key] = compute()
+        return cast(T, self._per_step[key])
 
     @property
     def num_requests(self) -> int:

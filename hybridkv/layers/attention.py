@@ -56,8 +56,11 @@ class PagedAttention(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta) if cfg.rotary_dim else None
         self.scale = cfg.scale if cfg.scale is not None else cfg.head_dim**-0.5
 
-    def project(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
-        """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], gate [T, Hq*D] | None), rotated."""
+    def project(
+        self, x: Tensor, rope: tuple[Tensor, Tensor] | None
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], gate [T, Hq*D] | None), rotated by
+        ``rope`` = (cos, sin) [T, rotary_dim] when the layer has RoPE."""
         cfg, num_tokens = self.cfg, x.shape[0]
         q = self.q_proj(x).view(num_tokens, cfg.num_heads, -1)  # [T, Hq, D or 2D]
         gate = None
@@ -68,13 +71,22 @@ class PagedAttention(nn.Module):
         v = self.v_proj(x).view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:
-            cos, sin = self.rotary(positions, x.dtype)  # [T, rotary_dim]
+        if rope is not None:
+            cos, sin = rope
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return q, k, v, gate
 
+    def rope_tables(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
+        """The step's (cos, sin), computed by the first layer with these RoPE settings and
+        reused by the others (they depend on the positions alone)."""
+        rotary = self.rotary
+        if rotary is None:
+            return None
+        key = ("rope", rotary.rotary_dim, rotary.theta, dtype)
+        return batch.per_step(key, lambda: rotary(batch.positions, dtype))
+
     def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
-        q, k, v, gate = self.project(x, batch.positions)
+        q, k, v, gate = self.project(x, self.rope_tables(batch, x.dtype))
         out = self.attend(q, k, v, batch, views)  # [T, Hq, D]
         out = out.reshape(x.shape[0], -1)
         if gate is not None:

@@ -35,6 +35,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, rotary_dim: int, theta: float) -> None:
         super().__init__()
         self.rotary_dim = rotary_dim
+        self.theta = theta
         exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
         self.register_buffer("inv_freq", 1.0 / (theta**exponent), persistent=False)
 
