@@ -205,12 +205,16 @@ class CacheManager:
         What waits counts as shared when a request is admitted: 32 requests behind one
         1500-token prefix arrive together, and the first one admitted snapshots where
         they branch off it, so the others can resume there (:meth:`awaits_prefix`).
+        A request the cache still holds with the same tokens (announced again before it
+        is freed: preempted, or its admission failed for lack of room) lends its block
+        hashes, so a prompt that keeps failing admission is not hashed again every step.
         """
         if not (self.config.enable_prefix_caching and self.recurrent):
             return
         self.withdraw(req_id)
         tokens = list(prompt_token_ids)
-        hashes: list[BlockHash] = []
+        held = self._reqs.get(req_id)
+        hashes = list(held.hashes) if held is not None and held.tokens == tokens else []
         extend_block_hashes(hashes, self._root, tokens, self.block_tokens)
         self._announced[req_id] = (tokens, hashes)
         self._queued.update(hashes)

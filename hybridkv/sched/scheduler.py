@@ -196,13 +196,13 @@ class Scheduler:
                 return None
 
     def _preempt(self, seq: Sequence) -> None:
+        self.manager.announce(seq.seq_id, seq.all_token_ids)  # before free: reuses its hashes
         self.manager.free(seq.seq_id)
         self.running.remove(seq)
         seq.num_computed = 0
         seq.num_draft_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.manager.announce(seq.seq_id, seq.all_token_ids)
         self.num_preemptions += 1
 
     def _admit(
@@ -215,14 +215,15 @@ class Scheduler:
         end = self._chunk_end(seq, start, budget)
         alloc = self.manager.allocate(rid, end - start, hit)
         if alloc is None:
+            rejected = not busy and not self.running  # alone and still too big: never fits
+            if not rejected:  # it still waits (announced before free: reuses its hashes)
+                self.manager.announce(rid, seq.all_token_ids)
             self.manager.free(rid)
-            if not busy and not self.running:  # alone and still too big: it never will fit
+            if rejected:
                 self.waiting.remove(seq)
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_reason = "abort"
                 out.rejected.append(seq)
-            else:
-                self.manager.announce(rid, seq.all_token_ids)  # it still waits
             return None
         self.waiting.remove(seq)
         self.running.append(seq)

@@ -19,6 +19,7 @@ from core_factories import (
 from hypothesis import given
 from hypothesis import strategies as st
 
+import hybridkv.core.hashing as hashing
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.core.ids import ReqId
 
@@ -240,3 +241,27 @@ def test_an_announced_prompt_makes_the_first_admitted_request_snapshot_its_branc
     fresh.add_request(C, tokens(9, start=800))
     assert mgr._reqs[C].hashes == fresh._reqs[C].hashes
     assert not mgr._announced and not mgr._queued
+
+
+def test_announcing_a_held_request_again_reuses_its_hashes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request announced again before it is freed (its admission failed, or it is
+    preempted) lends its block hashes: nothing is hashed again, and the announcement is
+    the same as a fresh one (it still makes the prefix shared)."""
+    mgr = make_manager(num_chunks=16)
+    prompt = SYSTEM + tokens(6, start=600)
+    mgr.add_request(A, prompt)
+    calls: list[int] = []
+    real = hashing.hash_block
+    monkeypatch.setattr(hashing, "hash_block", lambda *a: calls.append(1) or real(*a))
+    mgr.announce(A, prompt)
+    assert calls == []
+    mgr.free(A)
+    again = mgr.withdraw(A)
+    monkeypatch.undo()
+    fresh = make_manager(num_chunks=16)
+    fresh.announce(A, prompt)
+    assert again is not None and again == fresh.withdraw(A)
+    mgr.announce(B, prompt)  # a different request id: hashed as usual
+    assert mgr.withdraw(B) == again
