@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from hybridkv.core.spec import RecurrentStateSpec
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
+from hybridkv.layers.norm import rms_normalize
 from hybridkv.ops.causal_conv1d import causal_conv1d_varlen
 from hybridkv.ops.mamba2 import NO_DT_LIMIT, SSDParams, ssd_varlen
 
@@ -104,7 +105,7 @@ class GroupedGatedRMSNorm(nn.Module):
         dtype = x.dtype
         h = x.float() * F.silu(gate.float())  # [T, I]
         groups = h.view(*h.shape[:-1], -1, self.group_size)  # [T, G, I/G]
-        groups = groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)
+        groups = rms_normalize(groups, self.eps)
         return self.weight * groups.view_as(h).to(dtype)
 
 

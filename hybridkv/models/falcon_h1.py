@@ -29,7 +29,7 @@ from hybridkv.forward.views import CacheViews
 from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.mamba2 import Mamba2Config, Mamba2Mixer
 from hybridkv.layers.mlp import GatedMLP
-from hybridkv.layers.norm import RMSNorm
+from hybridkv.layers.norm import RMSNorm, rms_normalize
 from hybridkv.models.base import CausalLM
 from hybridkv.models.common import attention_config_from
 
@@ -94,7 +94,7 @@ class FalconGatedRMSNorm(nn.Module):
         if not self.norm_before_gate:
             h = h * silu_gate
         groups = h.view(*h.shape[:-1], -1, self.group_size)  # [T, G, I/G]
-        h = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view_as(h)
+        h = rms_normalize(groups, self.eps).view_as(h)
         h = self.weight * h
         if self.norm_before_gate:
             h = h * silu_gate

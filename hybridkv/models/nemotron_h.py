@@ -25,6 +25,7 @@ from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.moe import GroupedExperts, moe_forward
+from hybridkv.layers.norm import rms_normalize
 from hybridkv.models.base import CausalLM
 from hybridkv.models.common import attention_config_from, mamba2_mixer, state_specs
 
@@ -57,7 +58,7 @@ class Fp32RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = rms_normalize(h, self.eps)
         return (self.weight.float() * h).to(x.dtype)
 
 

@@ -13,13 +13,17 @@ hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.parametrize("width", [12, 64, 512, 4096])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norms_round_like_transformers(dtype: torch.dtype) -> None:
+def test_norms_round_like_transformers(dtype: torch.dtype, width: int) -> None:
+    """Bitwise, at the widths of heads and hidden states: the norms are one fused op
+    (``rms_normalize``) where transformers runs pow, mean, add, rsqrt and mul."""
     gen = torch.Generator().manual_seed(0)
-    x, gate = torch.randn(5, 12, generator=gen), torch.randn(5, 12, generator=gen)
-    weight = torch.randn(12, generator=gen) * 0.1
-    ours, theirs = ZeroCenteredRMSNorm(12).to(dtype), hf.Qwen3NextRMSNorm(12).to(dtype)
-    gated_ours, gated_theirs = GatedRMSNorm(12).to(dtype), hf.Qwen3NextRMSNormGated(12).to(dtype)
+    x, gate = torch.randn(5, width, generator=gen) * 3, torch.randn(5, width, generator=gen)
+    weight = torch.randn(width, generator=gen) * 0.1
+    ours, theirs = ZeroCenteredRMSNorm(width).to(dtype), hf.Qwen3NextRMSNorm(width).to(dtype)
+    gated_ours = GatedRMSNorm(width).to(dtype)
+    gated_theirs = hf.Qwen3NextRMSNormGated(width).to(dtype)
     with torch.no_grad():
         for module in (ours, theirs, gated_ours, gated_theirs):
             module.weight.copy_(weight)
