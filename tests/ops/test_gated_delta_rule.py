@@ -150,13 +150,15 @@ def test_a_decode_only_step_equals_each_request_alone(
     check_varlen_batch((4, 16, 12), page_dtype, run_varlen, run_alone, with_captures, lens, carried)
 
 
+@pytest.mark.parametrize("batch", [3, 24])
 @pytest.mark.parametrize("n", [1, 7, 16, 17, 33, 64])
-def test_unit_lower_inverse_equals_triangular_solve(n: int) -> None:
-    """The inverse built by halves times a right-hand side == the triangular solve, for sizes
-    that are and are not powers of two (a step's chunks are as short as its requests)."""
+def test_unit_lower_inverse_equals_triangular_solve(n: int, batch: int) -> None:
+    """The inverse built by halves (24 x 2 matrices: past SOLVE_ROWS from 17 rows on) or
+    solved directly (3 x 2) times a right-hand side == the triangular solve, for sizes that
+    are and are not powers of two (a step's chunks are as short as its requests)."""
     gen = torch.Generator().manual_seed(n)
-    t = torch.randn(3, 2, n, n, generator=gen).tril(-1) * 0.3 + torch.eye(n)
-    rhs = torch.randn(3, 2, n, 5, generator=gen)
+    t = torch.randn(batch, 2, n, n, generator=gen).tril(-1) * 0.3 + torch.eye(n)
+    rhs = torch.randn(batch, 2, n, 5, generator=gen)
     want = torch.linalg.solve_triangular(t, rhs, upper=False, unitriangular=True)
     inverse = gdn_module.unit_lower_inverse(t)
     assert torch.equal(inverse.triu(1), torch.zeros_like(inverse))
