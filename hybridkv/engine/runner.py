@@ -26,6 +26,7 @@ from hybridkv.core.spec import GroupSpec, ModelSpec
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.models.base import CausalLM
+from hybridkv.ops.host_tensors import long_matrix, long_tensor
 from hybridkv.ops.paged_state import StateCaptures
 from hybridkv.sched.scheduler import ScheduledChunk
 
@@ -97,7 +98,7 @@ class ModelRunner:
         tables, states = page_tables(self.groups, seq_ids, manager, self.device)
 
         def tensor(values: list[int]) -> Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=self.device)
+            return long_tensor(values, self.device)
 
         logits_rows: list[int] = []
         for i, chunk in enumerate(chunks):  # every row of the chunks in all_rows, else the
@@ -134,8 +135,8 @@ class ModelRunner:
                 pages.append(snap.page)
         return {
             gid: StateCaptures(
-                torch.tensor(rows, dtype=torch.int64, device=self.device),
-                torch.tensor(pages, dtype=torch.int64, device=self.device),
+                long_tensor(rows, self.device),
+                long_tensor(pages, self.device),
             )
             for gid, (rows, pages) in wanted.items()
         }
@@ -180,10 +181,10 @@ def page_tables(
         gid = group.group_id
         if group.is_recurrent:
             pages = [manager.live_page(seq_id, gid) for seq_id in seq_ids]
-            states[gid] = torch.tensor(pages, dtype=torch.int64, device=device)
+            states[gid] = long_tensor(pages, device)
             continue
         rows = [manager.block_table(seq_id, gid) for seq_id in seq_ids]
         width = max(len(r) for r in rows)
-        padded = [list(r) + [NULL_PAGE] * (width - len(r)) for r in rows]
-        tables[gid] = torch.tensor(padded, dtype=torch.int64, device=device)
+        padded = (r if len(r) == width else [*r, *[NULL_PAGE] * (width - len(r))] for r in rows)
+        tables[gid] = long_matrix(padded, width, device)
     return tables, states

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from hybridkv.core.layout import ArenaLayout, TensorSlot
 from hybridkv.core.spec import GroupSpec, ModelSpec, RecurrentStateSpec, SlidingWindowSpec
+from hybridkv.ops.row_copy import remember_wide_rows
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -146,6 +147,8 @@ def _group_views(
     for layer in group.layers:
         slots = [s for s in page.slots if s.layer_index == layer.layer_index]
         tensors = {s.name: _slot_view(arena, s, page.page_bytes, num_pages) for s in slots}
+        for tensor in tensors.values():
+            remember_wide_rows(tensor)
         if isinstance(layer.spec, RecurrentStateSpec):
             views[(layer.layer_index, layer.name)] = StateView(group.group_id, tensors)
         else:

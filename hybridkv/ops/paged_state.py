@@ -24,6 +24,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from hybridkv.ops.host_tensors import bool_tensor, long_tensor
 from hybridkv.ops.row_copy import index_copy_rows, index_select_rows
 from hybridkv.ops.state_layouts import (
     ChunkLayout,
@@ -119,7 +120,7 @@ class StateBatch:
         """[R] bool, True where a request starts from zeros; None when none does."""
         if all(self.has_initial_state):
             return None
-        return torch.tensor([not f for f in self.has_initial_state], device=self.pages.device)
+        return bool_tensor((not f for f in self.has_initial_state), self.pages.device)
 
     @cached_property
     def decodes(self) -> DecodeRows | None:
@@ -130,9 +131,9 @@ class StateBatch:
         device = self.pages.device
         fresh = [not self.has_initial_state[r] for r in singles]
         return DecodeRows(
-            rows=torch.tensor([self.starts[r] for r in singles], device=device),
-            pages=self.pages[torch.tensor(singles, device=device)],
-            fresh=torch.tensor(fresh, device=device) if any(fresh) else None,
+            rows=long_tensor((self.starts[r] for r in singles), device),
+            pages=self.pages[long_tensor(singles, device)],
+            fresh=bool_tensor(fresh, device) if any(fresh) else None,
         )
 
     @cached_property
@@ -143,8 +144,8 @@ class StateBatch:
         if not hits:
             return None
         device = self.pages.device
-        src = self.pages[torch.tensor([r for r, _ in hits], device=device)]
-        return src, torch.tensor([page for _, page in hits], device=device)
+        src = self.pages[long_tensor((r for r, _ in hits), device)]
+        return src, long_tensor((page for _, page in hits), device)
 
     def interior_captures(self) -> list[tuple[int, int, int]]:
         """(request, offset of the row in the request's rows, capture page) of the captures

@@ -13,6 +13,8 @@ through these ops, tests/demo).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import Tensor
 
@@ -35,6 +37,30 @@ def _wide_rows(x: Tensor) -> Tensor | None:
         return None
 
 
+# id -> (the tensor, weakly; its wide view): the layer page views, which live as long as
+# their engine and are the source or destination of most row copies. Deriving the view
+# takes a reshape and a dtype view with their checks, ~1.5 us, and a step makes a few
+# dozen such copies; the lookup takes a fraction of that.
+_KNOWN_WIDE: dict[int, tuple[weakref.ReferenceType[Tensor], Tensor]] = {}
+
+
+def remember_wide_rows(x: Tensor) -> None:
+    """Derive ``x``'s 16-byte-word view once, for a tensor that takes part in many copies
+    (a layer's page view). Forgotten when ``x`` is freed."""
+    wide = _wide_rows(x)
+    if wide is None:
+        return
+    key = id(x)
+    _KNOWN_WIDE[key] = (weakref.ref(x, lambda _, key=key: _KNOWN_WIDE.pop(key, None)), wide)
+
+
+def _wide(x: Tensor) -> Tensor | None:
+    entry = _KNOWN_WIDE.get(id(x))
+    if entry is not None and entry[0]() is x and not needs_grad(x):
+        return entry[1]
+    return _wide_rows(x)
+
+
 def needs_grad(x: Tensor) -> bool:
     """Whether autograd records ops on ``x`` here (then only the plain ops are exact)."""
     return x.requires_grad and torch.is_grad_enabled()
@@ -47,7 +73,7 @@ def _same_layout(dst: Tensor, src: Tensor) -> bool:
 def index_copy_rows(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
     """``dst.index_copy_(0, index, src)``, the rows moved as 16-byte words when possible."""
     if _same_layout(dst, src) and src.shape[0] > 0 and not _is_view_of_other(dst, src):
-        wide_dst, wide_src = _wide_rows(dst), _wide_rows(src)
+        wide_dst, wide_src = _wide(dst), _wide(src)
         if wide_dst is not None and wide_src is not None:
             wide_dst.index_copy_(0, index, wide_src)
             return dst
@@ -57,7 +83,7 @@ def index_copy_rows(dst: Tensor, index: Tensor, src: Tensor) -> Tensor:
 def index_select_rows(src: Tensor, index: Tensor, out: Tensor) -> Tensor:
     """``torch.index_select(src, 0, index, out=out)``, moved as 16-byte words when possible."""
     if _same_layout(out, src) and out.shape[0] > 0 and out.is_contiguous():
-        wide_src, wide_out = _wide_rows(src), _wide_rows(out)
+        wide_src, wide_out = _wide(src), _wide(out)
         if wide_src is not None and wide_out is not None:
             torch.index_select(wide_src, 0, index, out=wide_out)
             return out

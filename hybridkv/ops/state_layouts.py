@@ -23,12 +23,16 @@ its rows in one axis.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from hybridkv.ops.host_tensors import bool_tensor, long_matrix, long_tensor
 
 PAD_MULTIPLE = 16  # chunk lengths are multiples of this (or the op's own maximum)
 
@@ -88,26 +92,28 @@ class ChunkLayout:
     fresh: Tensor | None  # [Rp] bool, sorted; None when every request carries a state
     captures: list[StepCaptures | None]  # per step
 
+    @cached_property
+    def _chunk_and_offset(self) -> tuple[Tensor, Tensor]:
+        """(chunk id, row within the chunk) of every padded slot: the same for every tensor
+        a layer pads and every layer of the step."""
+        return self.slots // self.chunk_tokens, self.slots % self.chunk_tokens
+
+    @cached_property
+    def strict_upper(self) -> Tensor:
+        """[C, C] bool, True above the diagonal: the in-chunk entries a row never reads."""
+        size = self.chunk_tokens
+        return torch.ones(size, size, dtype=torch.bool, device=self.rows.device).triu(1)
+
     def pad_heads_first(self, x: Tensor) -> Tensor:
         """[T, H, ...] rows -> [num_chunks, H, chunk_tokens, ...], zeros between."""
         out = x.new_zeros(self.num_chunks, x.shape[1], self.chunk_tokens, *x.shape[2:])
-        chunk, pos = self.slots // self.chunk_tokens, self.slots % self.chunk_tokens
+        chunk, pos = self._chunk_and_offset
         out[chunk, :, pos] = x.index_select(0, self.rows)
         return out
 
     def unpad(self, y: Tensor) -> Tensor:
         """[num_chunks * chunk_tokens, ...] -> [Tp, ...], one row per entry of ``rows``."""
         return y.index_select(0, self.slots)
-
-
-def _sorted_by_count(counts: Tensor) -> tuple[Tensor, Tensor, list[int]]:
-    """(order, rank of each entry in it, how many entries exceed each step index)."""
-    order = torch.argsort(counts, descending=True, stable=True)
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(order.numel())
-    ends = torch.bincount(counts)  # ends[c]: entries that stop after c steps
-    running = (counts.numel() - ends.cumsum(0))[:-1]  # [max count]
-    return order, rank, running.tolist()
 
 
 def _step_captures(
@@ -118,7 +124,7 @@ def _step_captures(
     for step, index, offset, page in hits:
         per_step[step].append((index, offset, page))
     return [
-        StepCaptures(*(torch.tensor(col, device=device) for col in zip(*items, strict=True)))
+        StepCaptures(*(long_tensor(col, device) for col in zip(*items, strict=True)))
         if items
         else None
         for items in per_step
@@ -148,6 +154,28 @@ def build_chunk_layouts(
     return [_block_layout(states, block, max_chunk_tokens, captures) for block in blocks]
 
 
+def _runs(
+    lengths: list[int], row_starts: list[int], slot_starts: list[int], device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """(rows, slots) [T] of consecutive runs: run ``i`` is ``lengths[i]`` rows from
+    ``row_starts[i]``, placed at slots from ``slot_starts[i]``.
+
+    Built from the runs (a request's chunks: a few per request) with four tensor ops, where
+    deriving them per row took about twenty: on a step with one short prefill beside
+    decodes, the layouts cost more than the chunk's arithmetic.
+    """
+    bases: list[list[int]] = [[], []]
+    done = 0
+    for length, row, slot in zip(lengths, row_starts, slot_starts, strict=True):
+        bases[0].append(row - done)
+        bases[1].append(slot - done)
+        done += length
+    counts = long_tensor(lengths, device)
+    index = torch.repeat_interleave(long_matrix(bases, len(lengths), device), counts, dim=1)
+    index += torch.arange(done, device=device)
+    return index[0], index[1]
+
+
 def _block_layout(
     states: StepRows,
     reqs: list[int],
@@ -156,33 +184,42 @@ def _block_layout(
 ) -> ChunkLayout:
     """The layout of one block of requests, its chunk length fitted to its own requests."""
     device = states.pages.device
-    lens = torch.tensor([states.lens[r] for r in reqs])
-    first_rows = torch.tensor([states.starts[r] for r in reqs])
-    size = choose_chunk_tokens(lens.tolist(), max_chunk_tokens)
-    num_chunks = (lens + size - 1) // size  # [Rb]
-    order, rank, running = _sorted_by_count(num_chunks)
+    lens = [states.lens[r] for r in reqs]
+    size = choose_chunk_tokens(lens, max_chunk_tokens)
+    num_chunks = [-(-n // size) for n in lens]
+    order = sorted(range(len(reqs)), key=lambda i: -num_chunks[i])  # stable: ties keep order
+    rank = [0] * len(reqs)
+    for position, i in enumerate(order):
+        rank[i] = position
+    running = [0] * num_chunks[order[0]]  # requests with more than c chunks, per step c
+    for count in num_chunks:
+        for step in range(count):
+            running[step] += 1
     offsets = [0]
     for count in running[:-1]:
         offsets.append(offsets[-1] + count)
 
-    req_of_row = torch.repeat_interleave(torch.arange(len(reqs)), lens)  # [Tb]
-    local = torch.arange(int(lens.sum())) - torch.repeat_interleave(lens.cumsum(0) - lens, lens)
-    chunk_ids = torch.tensor(offsets)[local // size] + rank[req_of_row]
+    lengths, row_starts, slot_starts = [], [], []
+    for i, r in enumerate(reqs):
+        for c in range(num_chunks[i]):
+            lengths.append(min(size, lens[i] - c * size))
+            row_starts.append(states.starts[r] + c * size)
+            slot_starts.append((offsets[c] + rank[i]) * size)
+    rows, slots = _runs(lengths, row_starts, slot_starts, device)
     hits = [
-        (pos // size, int(rank[i]), pos % size, page)
+        (pos // size, rank[i], pos % size, page)
         for i, r in enumerate(reqs)
         for pos, page in captures.get(r, [])
     ]
-    fresh = [not states.has_initial_state[reqs[i]] for i in order.tolist()]
-    sorted_reqs = torch.tensor(reqs)[order].to(device)
+    fresh = [not states.has_initial_state[reqs[i]] for i in order]
     return ChunkLayout(
         chunk_tokens=size,
-        num_chunks=int(num_chunks.sum()),
-        rows=(first_rows[req_of_row] + local).to(device),
-        slots=(chunk_ids * size + local % size).to(device),
+        num_chunks=sum(num_chunks),
+        rows=rows,
+        slots=slots,
         steps=list(zip(offsets, running, strict=True)),
-        pages=states.pages[sorted_reqs],
-        fresh=torch.tensor(fresh, device=device) if any(fresh) else None,
+        pages=states.pages[long_tensor([reqs[i] for i in order], device)],
+        fresh=bool_tensor(fresh, device) if any(fresh) else None,
         captures=_step_captures(hits, len(running), device),
     )
 
@@ -218,10 +255,10 @@ def _token_block(
 ) -> TokenLayout:
     """The layout of requests ``reqs``, given longest first."""
     device = states.pages.device
-    lens = torch.tensor([states.lens[r] for r in reqs])
+    lens = long_tensor(states.lens[r] for r in reqs)
     running = (lens[None, :] > torch.arange(int(lens[0]))[:, None]).sum(1).tolist()
     steps = torch.arange(len(running))[:, None]  # [L, 1]
-    first = torch.tensor([states.starts[r] for r in reqs])  # [Rb]
+    first = long_tensor(states.starts[r] for r in reqs)  # [Rb]
     real = steps < lens  # [L, Rb]
     rows = torch.where(real, first + steps, 0)  # padding reads row 0 and is never used
     hits = [(pos, s, 0, page) for s, r in enumerate(reqs) for pos, page in captures.get(r, [])]
@@ -231,8 +268,8 @@ def _token_block(
         running=running,
         slots=real.flatten().nonzero()[:, 0].to(device),
         slot_rows=rows[real].to(device),
-        pages=states.pages[torch.tensor(reqs, device=device)],
-        fresh=torch.tensor(fresh, device=device) if any(fresh) else None,
+        pages=states.pages[long_tensor(reqs, device)],
+        fresh=bool_tensor(fresh, device) if any(fresh) else None,
         captures=_step_captures(hits, len(running), device),
     )
 
@@ -282,26 +319,27 @@ def _conv_block(
 ) -> ConvBlock:
     device = states.pages.device
     first_row = states.starts[lo]
-    lens = torch.tensor(states.lens[lo:hi])
-    num_reqs = hi - lo
-    shift = torch.repeat_interleave(torch.arange(1, num_reqs + 1) * keep, lens)  # [Tb]
-    x_rows = torch.arange(int(lens.sum())) + shift
-    taps = torch.arange(keep)
-    starts = torch.tensor(states.starts[lo : hi + 1]) - first_row
-    first = starts[:-1] + torch.arange(num_reqs) * keep
-    ends = starts[1:] + torch.arange(1, num_reqs + 1) * keep
+    lens = states.lens[lo:hi]
+    # request j of the block: its carried inputs at ext rows first_j .. first_j + K-2, its
+    # rows right after; first_j = (its first row - first_row) + j * (K-1)
+    firsts = [states.starts[lo + j] - first_row + j * keep for j in range(hi - lo)]
+    x_rows, _ = _runs(lens, [f + keep for f in firsts], [0] * len(lens), device)
+    ends = [f + keep + n for f, n in zip(firsts, lens, strict=True)]  # past each last row
     capture_rows = capture_pages = None
     if captures:
-        wanted = x_rows[torch.tensor([row - first_row for row, _ in captures])]  # [Sb]
-        capture_rows = (wanted[:, None] - keep + 1 + taps).reshape(-1).to(device)
-        capture_pages = torch.tensor([page for _, page in captures], device=device)
+        wanted = []  # ext row of each captured row
+        for row, _ in captures:
+            j = bisect.bisect_right(states.starts, row, lo, hi) - 1 - lo
+            wanted.append(row - states.starts[lo + j] + firsts[j] + keep)
+        capture_rows = long_tensor((w - keep + 1 + t for w in wanted for t in range(keep)), device)
+        capture_pages = long_tensor((page for _, page in captures), device)
     return ConvBlock(
         reqs=slice(lo, hi),
         rows=slice(first_row, states.starts[hi]),
-        ext_tokens=int(lens.sum()) + num_reqs * keep,
-        x_rows=x_rows.to(device),
-        state_rows=(first[:, None] + taps).reshape(-1).to(device),
-        final_rows=(ends[:, None] - keep + taps).reshape(-1).to(device),
+        ext_tokens=sum(lens) + (hi - lo) * keep,
+        x_rows=x_rows,
+        state_rows=long_tensor((f + t for f in firsts for t in range(keep)), device),
+        final_rows=long_tensor((e - keep + t for e in ends for t in range(keep)), device),
         capture_rows=capture_rows,
         capture_pages=capture_pages,
     )

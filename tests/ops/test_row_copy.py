@@ -117,3 +117,24 @@ def test_tensors_autograd_tracks_take_the_plain_ops_and_keep_their_gradients() -
     expected = torch.zeros_like(cache)
     expected[pages, slots] = 1.0
     assert torch.equal(cache.grad, expected)
+
+
+def test_remembered_page_views_copy_the_same_bytes_and_are_forgotten() -> None:
+    """A remembered view (a layer's page view) reuses its wide view: the same bytes move
+    as with the plain ops, both ways; freeing the view forgets it."""
+    from hybridkv.ops import row_copy
+
+    view = page_view((4, 12), torch.float32, 256, 32)
+    row_copy.remember_wide_rows(view)
+    assert id(view) in row_copy._KNOWN_WIDE
+    index = torch.tensor([6, 1, 3])
+    out = torch.empty(3, 4, 12)
+    index_select_rows(view, index, out)
+    assert torch.equal(bits(out), bits(view.index_select(0, index)))
+    src = torch.randn(3, 4, 12)
+    want = view.clone().index_copy_(0, index, src)
+    index_copy_rows(view, index, src)
+    assert torch.equal(bits(view), bits(want))
+    key = id(view)
+    del view
+    assert key not in row_copy._KNOWN_WIDE

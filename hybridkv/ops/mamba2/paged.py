@@ -89,7 +89,7 @@ def _chunks(
     A_cum = torch.cumsum(A_dt, dim=-1)  # [Nc, H, L]
 
     # inside each chunk: scores C_l . B_s decayed from s to l
-    upper = torch.ones(size, size, dtype=torch.bool, device=A_dt.device).triu(1)
+    upper = layout.strict_upper
     decay = decay_exp_(segment_sum(A_dt), upper)  # [Nc, H, L(l), L(s)]
     scores = (C @ B.transpose(-1, -2))[:, :, None] * _grouped(decay, groups)
     y = (scores.view_as(decay) @ x_dt).view(num_chunks, heads, size, head_dim)
