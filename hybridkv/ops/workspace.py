@@ -18,6 +18,11 @@ import threading
 import torch
 from torch import Tensor
 
+from hybridkv.ops.row_copy import remember_wide_rows
+
+Shape = tuple[int, ...]
+MAX_VIEWS = 512  # views kept per thread (a few per recurrent op and distinct batch size)
+
 
 class Workspace:
     """Named flat buffers, grown on demand; :meth:`get` returns a view of the right shape."""
@@ -31,25 +36,45 @@ class Workspace:
             buffers = self._local.buffers = {}
         return buffers
 
+    def _views(self) -> dict[tuple[tuple[str, torch.dtype, torch.device, bool], Shape], Tensor]:
+        views = getattr(self._local, "views", None)
+        if views is None:
+            views = self._local.views = {}
+        return views
+
     def get(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> Tensor:
         """A contiguous ``shape`` view of buffer ``name``; its contents are garbage.
 
-        Two names never share memory, so an op may hold several buffers at once.
+        Two names never share memory, so an op may hold several buffers at once. The view
+        of a shape asked for before is the same tensor again (a decode step asks for the
+        same shapes in every layer: two ops each saved, and its row copies find the view's
+        16-byte-word form remembered, see hybridkv.ops.row_copy).
         """
         # inference-mode tensors cannot be updated in place outside inference mode (and
         # the engine runs its forward in it): one set of buffers for each side
         key = (name, dtype, device, torch.is_inference_mode_enabled())
+        views = self._views()
+        view = views.get((key, shape))
+        if view is not None:
+            return view
         buffers = self._buffers()
         numel = math.prod(shape)
         buf = buffers.get(key)
         if buf is None or buf.numel() < numel:
             buf = buffers[key] = torch.empty(numel, dtype=dtype, device=device)
-        return buf[:numel].view(shape)
+            for stale in [k for k in views if k[0] == key]:  # views of the old buffer
+                del views[stale]
+        if len(views) >= MAX_VIEWS:  # batch sizes vary from step to step: start afresh
+            views.clear()
+        view = views[(key, shape)] = buf[:numel].view(shape)
+        remember_wide_rows(view)
+        return view
 
     def clear(self) -> None:
         """Drop this thread's buffers (their memory goes back to the allocator)."""
+        self._views().clear()
         self._buffers().clear()
 
 

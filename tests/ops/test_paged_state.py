@@ -55,6 +55,23 @@ def test_workspace_buffers_grow_and_are_reused() -> None:
     assert c.shape == (8, 8) and space.get("t", (2,), torch.float32, c.device).numel() == 2
 
 
+def test_workspace_views_are_reused_until_their_buffer_grows() -> None:
+    """The same shape gives the same view again (no ops); once a larger shape regrows the
+    buffer, every shape's view is of the new buffer; the cache of views stays bounded."""
+    from hybridkv.ops import workspace
+
+    space, cpu = Workspace(), torch.device("cpu")
+    a = space.get("s", (4, 8), torch.float32, cpu)
+    assert space.get("s", (4, 8), torch.float32, cpu) is a
+    big = space.get("s", (16, 8), torch.float32, cpu)  # regrows the buffer
+    again = space.get("s", (4, 8), torch.float32, cpu)
+    assert again is not a and again.data_ptr() == big.data_ptr() and again.shape == (4, 8)
+    for n in range(workspace.MAX_VIEWS + 5):
+        assert space.get("s", (1, n % 16 + 1), torch.float32, cpu).shape == (1, n % 16 + 1)
+        space.get("u", (n + 1,), torch.float32, cpu)
+    assert len(space._views()) <= workspace.MAX_VIEWS
+
+
 def test_workspace_buffers_used_in_inference_mode_stay_writable_outside_it() -> None:
     """The engine runs its forward in inference mode; an op called afterwards outside it
     (a test, a reference run) must not get an inference tensor to write into."""
