@@ -32,6 +32,7 @@ from hybridkv.engine.config import (
     EngineConfig,
     loader_cache_dtype,
 )
+from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.generation_defaults import default_sampling
 from hybridkv.engine.inputs import InputProcessor, PromptType
 from hybridkv.engine.logits_processors import RowContext
@@ -50,7 +51,7 @@ from hybridkv.engine.startup import (
     plan_command,
     read_chat_template,
 )
-from hybridkv.engine.stopping import decode_output, update_and_check
+from hybridkv.engine.stopping import final_text, update_and_check
 from hybridkv.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hybridkv.models.loader import load_model
 from hybridkv.models.tokenizer import Tokenizer
@@ -75,6 +76,10 @@ class _Request:
     generators: list[torch.Generator | None] = field(default_factory=list)
     bad_words: list[list[int]] = field(default_factory=list)  # token ids of each
     matchers: list[GrammarMatcher | None] = field(default_factory=list)  # per sequence
+    # Per sequence index, made at its first sampled token (see _detokenizer). Here, not on
+    # the Sequence: text is the engine's business, and the scheduler's Sequence stays free
+    # of tokenizers; like the matchers, it lives as long as the request, preemption included.
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
     # vLLM's shape: None at position 0, then {token id: Logprob} per prompt token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_prompt_logprobs: int = 0  # positions filled so far (of len(prompt) - 1)
@@ -478,10 +483,11 @@ class LLMEngine:
         self, seq: Sequence, req: _Request, token_id: int
     ) -> tuple[str, int | str | None] | None:
         """Stop rules after ``token_id`` was appended, then the grammar's accept."""
+        detokenizer = self._detokenizer(seq, req)
         stop = update_and_check(
             seq,
             token_id,
-            tokenizer=self.tokenizer,
+            detokenizer=detokenizer,
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.max_model_len,
         )
@@ -493,9 +499,22 @@ class LLMEngine:
                 req.error = f"sampling failed for this request: {exc}"
                 return ("abort", None)
             if matcher.is_finished:  # the grammar is complete: nothing may follow
-                seq.text = decode_output(seq, self.tokenizer)
+                seq.text = final_text(detokenizer)
                 return ("stop", None)
         return stop
+
+    def _detokenizer(self, seq: Sequence, req: _Request) -> IncrementalDetokenizer | None:
+        """The sequence's detokenizer, made at its first sampled token; None without a
+        tokenizer (the text stays "")."""
+        if self.tokenizer is None:
+            return None
+        detokenizer = req.detokenizers.get(seq.index)
+        if detokenizer is None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, seq.prompt_token_ids, seq.params.skip_special_tokens
+            )
+            req.detokenizers[seq.index] = detokenizer
+        return detokenizer
 
     def _record_logprobs(self, seq: Sequence, token: SampledToken) -> None:
         if token.logprob is None:

@@ -20,6 +20,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 # Names the template is rendered with or calls: a caller's template kwargs may not replace
 # them (transformers raises a TypeError or renders garbage; here it is a ValueError).
@@ -122,6 +123,44 @@ def _template_env() -> ImmutableSandboxedEnvironment:
     return env
 
 
+class InvalidStreamPrefix(ValueError):
+    """A decode stream found that its window no longer decodes to the text it already gave.
+
+    Some decoders rewrite earlier text when later ids arrive: a byte-fallback decoder turns
+    a whole run of ``<0x..>`` tokens into U+FFFD once the run is no valid UTF-8, including a
+    byte it had decoded on its own as a space. ``tokenizers`` then raises a bare
+    ``Exception`` ("Invalid prefix encountered..."); this names it, so callers can recover.
+    """
+
+
+class TextStream:
+    """The text of a growing list of ids, one id at a time (``tokenizers``' DecodeStream).
+
+    Each :meth:`step` decodes only a window of the last few ids (the previous chunk's ids
+    and the new ones) in one call into Rust, so its cost does not grow with the output.
+    """
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: HFTokenizer, skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str | None:
+        """The text ``token_id`` adds; None while it adds none that is final yet (the
+        ids end inside a multi-byte character, or the id decodes to nothing).
+
+        Raises:
+            InvalidStreamPrefix: the decoder rewrote text this stream already gave.
+        """
+        try:
+            return self._stream.step(self._backend, token_id)
+        except Exception as exc:
+            if str(exc).startswith("Invalid prefix encountered"):
+                raise InvalidStreamPrefix(str(exc)) from None
+            raise
+
+
 class Tokenizer:
     """encode / decode / apply_chat_template over a checkpoint directory's files."""
 
@@ -184,6 +223,11 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def text_stream(self, skip_special_tokens: bool = True) -> TextStream:
+        """A :class:`TextStream`: incremental :meth:`decode`, for text that grows a token
+        at a time (see ``hybridkv.engine.detokenizer``)."""
+        return TextStream(self.backend, skip_special_tokens)
 
     def render_chat(
         self,

@@ -42,7 +42,6 @@ class Sequence:
     stop_reason: int | str | None = None
     # Detokenized text (stop strings are matched on it) and per-token logprobs.
     text: str = ""
-    prompt_context_text: str | None = None  # the prompt's tail as text, see stopping.py
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, object]] = field(default_factory=list)
     # Speculative decoding: drafts the engine wants verified in the next step (0: a plain

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from engine_checkpoints import ARCH, OPTIONS
 from hybrid_checks import prompt
+from tiny import write_metaspace_tokenizer
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.engine import LLMEngine
@@ -74,29 +75,10 @@ def test_fanned_out_sequence_ids_do_not_collide_with_request_ids(llm: LLM) -> No
     assert_idle(engine)
 
 
-def _write_metaspace_tokenizer(model_dir: Path) -> None:
-    """A Llama/Jamba/Mistral-style tokenizer.json: every token is a word starting with '▁',
-    and the decoder turns '▁' into spaces and strips the one leading space of the text."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {f"\u2581w{i}": i for i in range(256)}
-    vocab["<unk>"] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Sequence(
-        [
-            decoders.Replace("\u2581", " "),
-            decoders.Fuse(),
-            decoders.Strip(content=" ", left=1, right=0),
-        ]
-    )
-    tok.save(str(model_dir / "tokenizer.json"))
-
-
 def test_output_text_keeps_the_space_before_the_first_word(
     checkpoints: Any, tmp_path: Path
 ) -> None:
-    """``decode_output`` decodes the output ids alone. With a SentencePiece-style decoder
+    """The engine decoded the output ids alone. With a SentencePiece-style decoder
     (Llama, Mistral, Jamba, Zamba2 checkpoints) the first token's '▁' is stripped as if
     it began the text, so a completion of 'Hello' that generates '▁world' reads 'world',
     not ' world': prompt + completion no longer spell the decoded sequence. vLLM decodes
@@ -104,7 +86,7 @@ def test_output_text_keeps_the_space_before_the_first_word(
     _, path = checkpoints(ARCH)
     model_dir = tmp_path / "metaspace"
     shutil.copytree(path, model_dir)
-    _write_metaspace_tokenizer(model_dir)
+    write_metaspace_tokenizer(model_dir)
     llm = LLM(str(model_dir), max_model_len=64, cache_memory_gib=0.02)
     tok = llm.get_tokenizer()
     assert tok is not None

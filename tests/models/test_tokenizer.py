@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny import EOS_ID, write_tokenizer
+from tiny import EOS_ID, write_byte_fallback_tokenizer, write_tokenizer
 
-from hybridkv.models.tokenizer import Tokenizer
+from hybridkv.models.tokenizer import InvalidStreamPrefix, Tokenizer
 
 
 @pytest.fixture
@@ -93,3 +93,24 @@ def test_max_token_chars_bounds_the_text_of_any_token(tok: Tokenizer) -> None:
     assert tok.max_token_chars == len("<|endoftext|>")
     text = "<|endoftext|>" * 5
     assert len(tok.encode(text)) * tok.max_token_chars >= len(text)
+
+
+def test_text_stream_gives_each_ids_text_once_its_characters_are_whole(tok: Tokenizer) -> None:
+    """DecodeStream through the wrapper: the text each id adds, None while the ids end
+    inside a character ('€' is three byte ids); joined, the whole decode."""
+    ids = tok.encode("a\u20ac b")
+    stream = tok.text_stream()
+    pieces = [stream.step(i) for i in ids]
+    assert pieces == ["a", None, None, "\u20ac", " ", "b"]
+    assert "".join(p for p in pieces if p) == tok.decode(ids)
+
+
+def test_text_stream_names_the_error_of_a_rewritten_prefix(tmp_path: Path) -> None:
+    """Byte fallback rewrites the space it gave (byte 0x20) once 0xE2 and 'c' make the run
+    invalid: tokenizers raises a bare Exception, the wrapper an InvalidStreamPrefix."""
+    write_byte_fallback_tokenizer(tmp_path)
+    tok = Tokenizer(tmp_path)
+    stream = tok.text_stream()
+    assert [stream.step(0x20), stream.step(0xE2)] == [" ", None]
+    with pytest.raises(InvalidStreamPrefix):
+        stream.step(tok.backend.token_to_id("c"))

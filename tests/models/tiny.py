@@ -90,6 +90,40 @@ def write_tokenizer(model_dir: Path) -> None:
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [EOS_ID]}))
 
 
+def write_metaspace_tokenizer(model_dir: Path) -> None:
+    """A Llama/Jamba/Mistral-style tokenizer.json: every token is a word starting with '▁',
+    and the decoder turns '▁' into spaces and strips the one leading space of the text."""
+    vocab = {f"\u2581w{i}": i for i in range(256)}
+    vocab["<unk>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence(
+        [
+            decoders.Replace("\u2581", " "),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1, right=0),
+        ]
+    )
+    tok.save(str(model_dir / "tokenizer.json"))
+
+
+def write_byte_fallback_tokenizer(model_dir: Path) -> None:
+    """Gemma / Llama 2-style byte fallback: ids 0-255 are the byte tokens ``<0x00>``..
+    (what the tests' random model samples), the tiny tokenizer's specials at 256-258, then
+    a few words past the model's vocabulary. Its decoder (▁ → space, ByteFallback, Fuse)
+    turns a run of byte tokens that is no valid UTF-8 into one U+FFFD per token, so a
+    longer list can rewrite the text of a shorter one."""
+    vocab = {f"<0x{b:02X}>": b for b in range(256)}
+    for token in [*SPECIALS, "<unk>", "\u2581", "\u2581a", "c", "\u2581hello"]:
+        vocab[token] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    tok.add_special_tokens(SPECIALS)
+    tok.save(str(model_dir / "tokenizer.json"))
+
+
 def save_checkpoint(model: Any, model_dir: Path, max_shard_size: str | None = None) -> Path:
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(model_dir, **kwargs)
