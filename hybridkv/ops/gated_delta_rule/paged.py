@@ -114,7 +114,7 @@ def _chunks(
     q·k and k·k are computed once per k-head and shared by its value heads (grouped as
     [N, Hk, r, ...] views of the value-head tensors).
     """
-    q, k, v, g, beta = (layout.pad_heads_first(x) for x in rows)  # [N, H, C, ...]
+    q, k, v, g, beta = layout.pad_heads_first(rows)  # [N, H, C, ...]
     num_chunks, k_heads, size, k_dim = k.shape
     heads, v_dim = v.shape[1], v.shape[-1]
     grouped = (num_chunks, k_heads, heads // k_heads, size)  # value heads by k-head

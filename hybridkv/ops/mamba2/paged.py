@@ -82,8 +82,8 @@ def _chunks(
 ) -> Tensor:
     """SSD over every multi-token request: y without the D skip, [Tp, H, P] in layout.rows
     order. Inputs are rows: x_dt [T, H, P], A_dt [T, H], B and C [T, G, N], all fp32."""
-    x_dt, A_dt = layout.pad_heads_first(x_dt), layout.pad_heads_first(A_dt)  # [Nc, H, L, ...]
-    B, C = layout.pad_heads_first(B), layout.pad_heads_first(C)  # [Nc, G, L, N]
+    # [Nc, H, L, ...] and [Nc, G, L, N]
+    x_dt, A_dt, B, C = layout.pad_heads_first([x_dt, A_dt, B, C])
     num_chunks, heads, size, head_dim = x_dt.shape
     groups = B.shape[1]
     A_cum = torch.cumsum(A_dt, dim=-1)  # [Nc, H, L]
