@@ -317,3 +317,17 @@ def test_gathers_read_only_the_requests_needed_keys(name: str, window: int | Non
             assert int(valid.sum()) == len(needed)  # each needed key once
             kept = set(zip(pages[i][valid].tolist(), slots[i][valid].tolist(), strict=True))
             assert kept == needed
+
+
+def test_row_views_are_remembered_per_cache_and_forgotten_with_it() -> None:
+    """A layer's row view is derived once (the engine's page views live as long as it) and
+    dropped when one of its caches is freed, so a new tensor at the same id is not served
+    a stale view."""
+    key, value = arena_pages(4, torch.float32)
+    seen = batched._row_view((key, value), head_major=False)
+    assert seen is not None
+    assert batched._row_view((key, value), head_major=False) is seen
+    entry = (id(key), id(value), False, torch.is_inference_mode_enabled())
+    assert entry in batched._ROW_VIEWS
+    del key
+    assert entry not in batched._ROW_VIEWS
