@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
-from hybridkv.layers.rope import RotaryEmbedding, apply_rope
+from hybridkv.layers.rope import RopeTables, RotaryEmbedding, apply_rope, apply_rope_
 from hybridkv.ops.paged_attention import paged_attention, store_kv
 
 
@@ -57,10 +57,10 @@ class PagedAttention(nn.Module):
         self.scale = cfg.scale if cfg.scale is not None else cfg.head_dim**-0.5
 
     def project(
-        self, x: Tensor, rope: tuple[Tensor, Tensor] | None
+        self, x: Tensor, rope: RopeTables | None
     ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
         """(q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D], gate [T, Hq*D] | None), rotated by
-        ``rope`` = (cos, sin) [T, rotary_dim] when the layer has RoPE."""
+        the step's ``rope`` tables when the layer has RoPE."""
         cfg, num_tokens = self.cfg, x.shape[0]
         q = self.q_proj(x).view(num_tokens, cfg.num_heads, -1)  # [T, Hq, D or 2D]
         gate = None
@@ -72,18 +72,20 @@ class PagedAttention(nn.Module):
         if cfg.qk_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+                q, k = apply_rope(q, rope.cos, rope.sin), apply_rope(k, rope.cos, rope.sin)
+            else:  # in place: q and k are this call's own tensors
+                q, k = apply_rope_(q, rope), apply_rope_(k, rope)
         return q, k, v, gate
 
-    def rope_tables(self, batch: ForwardBatch, dtype: torch.dtype) -> tuple[Tensor, Tensor] | None:
-        """The step's (cos, sin), computed by the first layer with these RoPE settings and
+    def rope_tables(self, batch: ForwardBatch, dtype: torch.dtype) -> RopeTables | None:
+        """The step's RoPE tables, computed by the first layer with these RoPE settings and
         reused by the others (they depend on the positions alone)."""
         rotary = self.rotary
         if rotary is None:
             return None
         key = ("rope", rotary.rotary_dim, rotary.theta, dtype)
-        return batch.per_step(key, lambda: rotary(batch.positions, dtype))
+        return batch.per_step(key, lambda: rotary.tables(batch.positions, dtype))
 
     def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
         q, k, v, gate = self.project(x, self.rope_tables(batch, x.dtype))

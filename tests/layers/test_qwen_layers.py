@@ -7,7 +7,7 @@ import torch
 
 from hybridkv.layers.moe import SparseMoE
 from hybridkv.layers.norm import GatedRMSNorm, ZeroCenteredRMSNorm
-from hybridkv.layers.rope import RotaryEmbedding, apply_rope, rope_settings
+from hybridkv.layers.rope import RotaryEmbedding, apply_rope, apply_rope_, rope_settings
 
 hf = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 transformers = pytest.importorskip("transformers")
@@ -76,3 +76,29 @@ def test_moe_matches_transformers_block() -> None:
         ours.shared_expert_gate.load_state_dict(ref.shared_expert_gate.state_dict())
         x = torch.randn(7, 16)
         torch.testing.assert_close(ours(x), ref(x[None])[0], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("head_dim", "rotary_dim"), [(24, 6), (16, 16), (256, 64)])
+def test_rope_in_place_is_bitwise_apply_rope(
+    head_dim: int, rotary_dim: int, dtype: torch.dtype
+) -> None:
+    """The engine's in-place RoPE (one cat, the sign folded into the sin table) equals
+    the reference apply_rope bit for bit, on a tensor and on the query half of a
+    [query | gate] projection (a strided view; the gate half stays untouched)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    positions = torch.tensor([0, 3, 17, 300, 4095])
+    rotary = RotaryEmbedding(rotary_dim, 1e4)
+    cos, sin = rotary(positions, dtype)
+    tables = rotary.tables(positions, dtype)
+    assert torch.equal(tables.cos, cos) and torch.equal(tables.sin, sin)
+    half = rotary_dim // 2
+    assert torch.equal(tables.signed_sin[:, 0], torch.cat([-sin[:, :half], sin[:, half:]], -1))
+    x = (torch.randn(5, 3, head_dim, generator=gen) * 4).to(dtype)
+    assert torch.equal(apply_rope_(x.clone(), tables), apply_rope(x, cos, sin))
+    packed = (torch.randn(5, 3, 2 * head_dim, generator=gen) * 4).to(dtype)
+    query, gate = packed.clone().split(head_dim, dim=-1)
+    apply_rope_(query, tables)
+    want_query, want_gate = packed.split(head_dim, dim=-1)
+    assert torch.equal(query, apply_rope(want_query, cos, sin))
+    assert torch.equal(gate, want_gate)

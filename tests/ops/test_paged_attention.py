@@ -50,18 +50,27 @@ class Step:
     window: int | None
     dtype: torch.dtype = torch.float32
     seed: int = 0
+    layout: str = "apart"  # "kv" / "vk": K and V in one page of an arena, as the engine's
 
     def __post_init__(self) -> None:
         gen = torch.Generator().manual_seed(self.seed)
         self.total = [c + n for c, n in zip(self.computed, self.new, strict=True)]
         num_pages = sum(-(-t // B) for t in self.total) + 3
-        self.key_cache = torch.full((num_pages, B, HKV, D), float("nan"), dtype=self.dtype)
-        self.value_cache = torch.full((num_pages, B, HKV, DV), float("nan"), dtype=self.dtype)
+        if self.layout == "apart":
+            self.key_cache = torch.full((num_pages, B, HKV, D), float("nan"), dtype=self.dtype)
+            self.value_cache = torch.full((num_pages, B, HKV, DV), float("nan"), dtype=self.dtype)
+        else:  # pages of [K | V | another layer's bytes] or [V | K | ...], value dim D
+            self.key_cache, self.value_cache = arena_pages(num_pages, self.dtype)
+            if self.layout == "vk":
+                self.key_cache, self.value_cache = self.value_cache, self.key_cache
+        value_dim = self.value_cache.shape[-1]
         width = max(-(-t // B) for t in self.total)
         self.tables = torch.full((len(self.total), width), -1)
         pages = iter(torch.randperm(num_pages, generator=gen).tolist())
         self.full_k = [torch.randn(t, HKV, D, generator=gen).to(self.dtype) for t in self.total]
-        self.full_v = [torch.randn(t, HKV, DV, generator=gen).to(self.dtype) for t in self.total]
+        self.full_v = [
+            torch.randn(t, HKV, value_dim, generator=gen).to(self.dtype) for t in self.total
+        ]
         for r, t in enumerate(self.total):
             first_needed = 0 if self.window is None else self.computed[r] - self.window + 1
             for blk in range(-(-t // B)):
@@ -114,6 +123,18 @@ class Step:
         q = self.query[lo:hi].float()
         k, v = self.full_k[r].float(), self.full_v[r].float()
         return dense_attention(q, k, v, self.positions[lo:hi], self.window)
+
+
+def arena_pages(num_pages: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """Two [num_pages, B, HKV, D] views of one NaN arena, adjacent in every page and
+    followed by another tensor's bytes (the engine's layout, forward/views.py)."""
+    slot = B * HKV * D
+    arena = torch.full((num_pages * 3 * slot,), float("nan"), dtype=dtype)
+    first, second = (
+        arena.as_strided((num_pages, B, HKV, D), (3 * slot, HKV * D, D, 1), offset)
+        for offset in (0, slot)
+    )
+    return first, second
 
 
 STEPS = {
@@ -193,7 +214,7 @@ def test_split_prefill_batches_choose_the_causal_rule_each() -> None:
     """A fresh chunk batched apart from a resumed one keeps SDPA's own causal rule."""
     step = Step([0, 700], [300, 20], None)
     built = build_attention_plan(step.tables, step.starts, step.total, step.positions, B, None)
-    assert [p.query_rows.shape for p in built.prefills] == [(1, 300), (1, 20)]
+    assert [p.query_rows for p in built.prefills] == [slice(0, 300), slice(300, 320)]
     assert built.prefills[0].keys.mask is None
     assert built.prefills[1].keys.mask is not None
 
@@ -218,6 +239,15 @@ def test_prefill_groups_bound_the_padding() -> None:
     assert 1 < len(groups) < len(shapes)
 
 
+def random_keys(gen: torch.Generator, num_pages: int, n: int, width: int) -> plan.KeyGather:
+    """Columns of ``n`` requests over random pages, some padding, first key anywhere."""
+    pages = torch.randint(0, num_pages, (n, -(-width // B)), generator=gen)
+    first = torch.randint(0, B, (n, 1), generator=gen)
+    valid = torch.rand(n, width, generator=gen) < 0.8
+    valid |= torch.arange(width) == first  # the first needed key is a key
+    return plan.KeyGather(pages, valid, first, B, None)
+
+
 @pytest.mark.parametrize("padded", [False, True], ids=["contiguous", "strided_slots"])
 def test_head_major_gather_equals_the_transposed_one(padded: bool) -> None:
     """The decode gather straight into [n, Hkv, Lk, d] reads what the slot gather reads,
@@ -225,10 +255,79 @@ def test_head_major_gather_equals_the_transposed_one(padded: bool) -> None:
     gen = torch.Generator().manual_seed(5)
     full = torch.randn(7, B, HKV + (1 if padded else 0), D, generator=gen, dtype=torch.bfloat16)
     cache = full[:, :, :HKV]  # padded: slot stride (HKV + 1) * D, not HKV * D
-    pages = torch.randint(0, 7, (3, 10), generator=gen)
-    slots = torch.randint(0, B, (3, 10), generator=gen)
-    keys = plan.KeyGather(pages, slots, None)
-    got = batched._gather_heads(cache, keys, torch.float32)
+    keys = random_keys(gen, 7, 3, 10)
+    got = batched._gather(cache, keys, torch.float32, head_major=True)
     want = batched._gather(cache, keys, torch.float32)
     assert got.is_contiguous() and got.shape == (3, HKV, 10, D)
     assert torch.equal(got, want)
+    pages, slots = keys.pages_slots()
+    assert torch.equal(want, cache[pages, slots].float().transpose(1, 2))
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("window", [None, 5], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("name", ["mixed", "decodes", "prefix_ragged", "long_short"])
+def test_kv_in_one_page_gathered_together(
+    name: str, window: int | None, dtype: torch.dtype, layout: str
+) -> None:
+    """K and V of a layer in the same pages of an arena (the engine's layout) are gathered
+    by one index_select; equal to the reference, NaN all around them."""
+    computed, new = STEPS[name]
+    step = Step(computed, new, window, dtype, seed=7, layout=layout)
+    assert batched._row_view((step.key_cache, step.value_cache), head_major=False) is not None
+    assert batched._row_view((step.key_cache, step.value_cache), head_major=True) is not None
+    out = step.run_batched()
+    ref = Step(computed, new, window, dtype, seed=7, layout=layout).run_reference()
+    assert torch.isfinite(out).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 3, 5, 64], ids=lambda w: f"window{w}")
+@pytest.mark.parametrize("name", list(STEPS))
+def test_gathers_read_only_the_requests_needed_keys(name: str, window: int | None) -> None:
+    """Every column of every gather, padding included, is a slot its request wrote and
+    needs: a position in [first needed, seq_len), at its page of the block table."""
+    computed, new = STEPS[name]
+    step = Step(computed, new, window)
+    built = build_attention_plan(step.tables, step.starts, step.total, step.positions, B, window)
+    batches: list[tuple[list[int], plan.KeyGather]] = []
+    decodes = [r for r, n in enumerate(new) if n == 1]
+    if built.decode is not None:
+        batches.append((decodes, built.decode.keys))
+    for prefill in built.prefills:
+        rows = prefill.out_rows
+        first_rows = set(range(rows.start, rows.stop) if isinstance(rows, slice) else rows.tolist())
+        batches.append(
+            (
+                [r for r in range(len(new)) if step.starts[r] in first_rows and new[r] > 1],
+                prefill.keys,
+            )
+        )
+    assert sorted(r for requests, _ in batches for r in requests) == list(range(len(new)))
+    for requests, keys in batches:
+        pages, slots = keys.pages_slots()
+        for i, r in enumerate(requests):
+            first = 0 if window is None else max(0, computed[r] - window + 1)
+            needed = {(int(step.tables[r, p // B]), p % B) for p in range(first, step.total[r])}
+            read = set(zip(pages[i].tolist(), slots[i].tolist(), strict=True))
+            assert read <= needed
+            valid = keys.valid[i]
+            assert int(valid.sum()) == len(needed)  # each needed key once
+            kept = set(zip(pages[i][valid].tolist(), slots[i][valid].tolist(), strict=True))
+            assert kept == needed
+
+
+def test_row_views_are_remembered_per_cache_and_forgotten_with_it() -> None:
+    """A layer's row view is derived once (the engine's page views live as long as it) and
+    dropped when one of its caches is freed, so a new tensor at the same id is not served
+    a stale view."""
+    key, value = arena_pages(4, torch.float32)
+    seen = batched._row_view((key, value), head_major=False)
+    assert seen is not None
+    assert batched._row_view((key, value), head_major=False) is seen
+    entry = (id(key), id(value), False, torch.is_inference_mode_enabled())
+    assert entry in batched._ROW_VIEWS
+    del key
+    assert entry not in batched._ROW_VIEWS

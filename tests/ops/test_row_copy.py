@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridkv.ops.paged_attention.batched import _gather, _slot_rows
+from hybridkv.ops.paged_attention.batched import _gather, _row_view
 from hybridkv.ops.paged_attention.plan import KeyGather
 from hybridkv.ops.row_copy import _wide_rows, index_copy_rows, index_select_rows
 
@@ -89,12 +89,17 @@ def test_attention_gather_by_slot_rows_equals_advanced_indexing(
     """K/V pages [P, block, Hkv, D] inside bigger pages: the slot-row gather reads the same
     slots (page-strided as in the engine, NaN bytes in the arena) as cache[pages, slots]."""
     cache = page_view((4, 2, 8), dtype, page_bytes, 128)
-    assert (_slot_rows(cache) is not None) is fast
+    seen = _row_view((cache,), head_major=False)
+    assert (seen is not None) is fast
+    assert seen is None or seen[0].dtype == torch.complex128  # rows of 16-byte words
     gen = torch.Generator().manual_seed(3)
-    pages = torch.randint(0, NUM_PAGES, (3, 5), generator=gen)
-    slots = torch.randint(0, 4, (3, 5), generator=gen)
-    got = _gather(cache, KeyGather(pages, slots, None), dtype)
-    assert torch.equal(bits(got), bits(cache[pages, slots].transpose(1, 2)))
+    pages = torch.randint(0, NUM_PAGES, (3, 2), generator=gen)
+    valid = torch.rand(3, 7, generator=gen) < 0.7
+    first = torch.zeros(3, 1, dtype=torch.int64)
+    keys = KeyGather(pages, valid | (torch.arange(7) == 0), first, 4, None)
+    got = _gather(cache, keys, dtype)
+    page, slot = keys.pages_slots()
+    assert torch.equal(bits(got), bits(cache[page, slot].transpose(1, 2)))
 
 
 def test_tensors_autograd_tracks_take_the_plain_ops_and_keep_their_gradients() -> None:
@@ -109,13 +114,20 @@ def test_tensors_autograd_tracks_take_the_plain_ops_and_keep_their_gradients() -
     assert src.grad is not None and torch.equal(src.grad, torch.full((4, 8), 2.0))
 
     cache = torch.randn(NUM_PAGES, 4, 2, 8, requires_grad=True)
-    pages = torch.tensor([[1, 3, 3]])
-    slots = torch.tensor([[0, 2, 3]])
-    got = _gather(cache * 1.0, KeyGather(pages, slots, None), torch.float32)
+    keys = KeyGather(
+        torch.tensor([[1, 3]]),
+        torch.tensor([[1, 0, 1, 1, 1, 1, 0]]).bool(),
+        torch.zeros(1, 1, dtype=torch.int64),
+        4,
+        None,
+    )
+    got = _gather(cache * 1.0, keys, torch.float32)
     got.sum().backward()
     assert cache.grad is not None
     expected = torch.zeros_like(cache)
-    expected[pages, slots] = 1.0
+    expected[1, 0] = 3.0  # column 0, and columns 1 and 6 re-reading it
+    expected[1, 2:4] = 1.0
+    expected[3, 0:2] = 1.0
     assert torch.equal(cache.grad, expected)
 
 

@@ -9,14 +9,19 @@ ragged batches in a NaN arena.
 
 from __future__ import annotations
 
+import math
+import weakref
+from collections.abc import Callable, Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from hybridkv.ops.paged_attention.plan import AttentionPlan, DecodeBatch, KeyGather, PrefillBatch
-from hybridkv.ops.row_copy import index_select_rows, needs_grad
+from hybridkv.ops.row_copy import needs_grad
 
 _MATMUL_DECODE_DTYPES = (torch.bfloat16, torch.float16)  # decodes as two matmuls (_decode)
+_WORD = torch.complex128  # rows gathered as 16-byte words when they are whole words
 
 
 def store_kv(
@@ -41,64 +46,158 @@ def paged_attention(
     Returns:
         [T, Hq, Dv] in the query dtype.
     """
+    decode = plan.decode
+    if decode is not None and decode.all_rows:  # a decode step: its output is the output
+        return _decode(query, key_cache, value_cache, decode, scale)
     out = query.new_empty(query.shape[0], query.shape[1], value_cache.shape[-1])
-    if plan.decode is not None:
-        out[plan.decode.rows] = _decode(query, key_cache, value_cache, plan.decode, scale)
+    if decode is not None:
+        out[decode.rows] = _decode(query, key_cache, value_cache, decode, scale)
     for prefill in plan.prefills:
         out[prefill.out_rows] = _prefill(query, key_cache, value_cache, prefill, scale)
     return out
 
 
-def _gather(cache: Tensor, keys: KeyGather, dtype: torch.dtype) -> Tensor:
-    """[n, Lk, Hkv, d] -> [n, Hkv, Lk, d] in the query dtype (advanced indexing when
-    autograd tracks the cache: ``index_select(out=...)`` does not record a graph)."""
-    slots = None if needs_grad(cache) else _slot_rows(cache)
-    if slots is None:
-        gathered = cache[keys.pages, keys.slots]
-    else:  # one index_select over slot rows: per row, not per element (ops/row_copy.py)
-        rows, per_page = slots
-        index = (keys.pages * per_page + keys.slots).view(-1)
-        gathered = cache.new_empty(index.numel(), *cache.shape[2:])
-        index_select_rows(rows, index, gathered)
-        gathered = gathered.view(*keys.pages.shape, *cache.shape[2:])
-    return gathered.to(dtype).transpose(1, 2)
-
-
-def _gather_heads(cache: Tensor, keys: KeyGather, dtype: torch.dtype) -> Tensor:
-    """[n, Hkv, Lk, d] contiguous, in the query dtype: one row per (key, head) gathered
-    straight into head-major order, so the decode matmuls read it without the copy a
-    transposed [n, Lk, Hkv, d] gather would need (falls back to :func:`_gather`)."""
-    slots = None if needs_grad(cache) else _slot_rows(cache)
-    heads, head_stride = cache.shape[2], cache.stride(2)
-    if slots is None or cache.stride(1) != heads * head_stride:
-        return _gather(cache, keys, dtype).contiguous()
-    rows, per_page = slots
-    head_rows = cache.as_strided(
-        (rows.shape[0] * heads, cache.shape[3]),
-        (head_stride, cache.stride(3)),
-        cache.storage_offset(),
+def _gather_kv(
+    key_cache: Tensor, value_cache: Tensor, keys: KeyGather, dtype: torch.dtype, head_major: bool
+) -> tuple[Tensor, Tensor]:
+    """K and V of the columns, each [n, Hkv, Lk, d] in ``dtype``: one ``index_select`` for
+    both when they are one layer's tensors in the same pages (the arena's layout: one
+    storage, equal shapes and strides), else one each. ``head_major``: contiguous, one row
+    per (key, head) gathered straight into head-major order (what the decode matmuls read
+    without a copy); else transposed views of [n, Lk, Hkv, d]."""
+    both = _gather_rows((key_cache, value_cache), keys, dtype, head_major)
+    if both is not None:
+        return both[0], both[1]
+    return _gather(key_cache, keys, dtype, head_major), _gather(
+        value_cache, keys, dtype, head_major
     )
-    slot = keys.pages * per_page + keys.slots  # [n, Lk]
-    head = torch.arange(heads, device=slot.device)
-    index = (slot[:, None, :] * heads + head[None, :, None]).view(-1)  # [n * Hkv * Lk]
-    gathered = cache.new_empty(index.numel(), cache.shape[3])
-    index_select_rows(head_rows, index, gathered)
-    return gathered.view(slot.shape[0], heads, slot.shape[1], -1).to(dtype)
 
 
-def _slot_rows(cache: Tensor) -> tuple[Tensor, int] | None:
-    """The cache [P, B, Hkv, d] seen as one row per page slot [(P-1)*s + B, Hkv, d] (slot
-    ``b`` of page ``p`` is row ``p * s + b``), or None when the page stride is not a
-    whole number of slot strides."""
-    page_stride, slot_stride = cache.stride(0), cache.stride(1)
-    if slot_stride <= 0 or page_stride % slot_stride or cache.shape[0] == 0:
+def _gather(cache: Tensor, keys: KeyGather, dtype: torch.dtype, head_major: bool = False) -> Tensor:
+    """[n, Lk, Hkv, d] -> [n, Hkv, Lk, d] in the query dtype: one ``index_select`` over the
+    cache seen as rows (:func:`_row_view`), or advanced indexing when autograd tracks the
+    cache (``index_select(out=...)`` does not record a graph) or its layout has no such
+    view. ``head_major``: contiguous (see :func:`_gather_kv`)."""
+    gathered = _gather_rows((cache,), keys, dtype, head_major)
+    if gathered is not None:
+        return gathered[0]
+    pages, slots = keys.pages_slots()
+    out = cache[pages, slots].to(dtype).transpose(1, 2)
+    return out.contiguous() if head_major else out
+
+
+def _gather_rows(
+    caches: tuple[Tensor, ...], keys: KeyGather, dtype: torch.dtype, head_major: bool
+) -> tuple[Tensor, ...] | None:
+    """Each cache's columns ([n, Hkv, Lk, d], see :func:`_gather_kv`) by one
+    ``index_select`` over them all seen as rows (:func:`_row_view`), or None when autograd
+    tracks one or their layout has no such view."""
+    if any(needs_grad(cache) for cache in caches):
         return None
+    seen = _row_view(caches, head_major)
+    if seen is None:
+        return None
+    rows, per_page, offsets = seen
+    cache = caches[0]
+    heads = cache.shape[2]
+    index = keys.index(per_page, offsets, heads if head_major else 1)
+    gathered = rows.new_empty(index.numel(), *rows.shape[1:])
+    torch.index_select(rows, 0, index, out=gathered)
+    n, width = keys.valid.shape
+    gathered = gathered.view(cache.dtype)  # from 16-byte words
+    if head_major:
+        return gathered.view(len(caches), n, heads, width, -1).to(dtype).unbind(0)
+    gathered = gathered.view(len(caches), n, width, heads, -1).to(dtype)
+    return gathered.transpose(2, 3).unbind(0)
+
+
+RowView = tuple[Tensor, int, tuple[int, ...]]  # rows, slots per page, row offsets
+
+# (ids of the caches, head_major, inference mode) -> (the caches, weakly; their row view):
+# the layer page views live as long as their engine and every layer gathers from its own
+# each step; deriving the view takes ~20 Python-level calls (~5-10 us), the lookup ~1 us.
+_ROW_VIEWS: dict[
+    tuple[object, ...], tuple[tuple[weakref.ReferenceType[Tensor], ...], RowView | None]
+] = {}
+
+
+def _row_view(caches: tuple[Tensor, ...], head_major: bool) -> RowView | None:
+    """:func:`_derive_row_view`, remembered per caches (forgotten when one is freed)."""
+    key = (*(id(cache) for cache in caches), head_major, torch.is_inference_mode_enabled())
+    entry = _ROW_VIEWS.get(key)
+    if entry is not None and all(
+        ref() is cache for ref, cache in zip(entry[0], caches, strict=True)
+    ):
+        return entry[1]
+    seen = _derive_row_view(caches, head_major)
+    forget = _forget(key)
+    _ROW_VIEWS[key] = (tuple(weakref.ref(cache, forget) for cache in caches), seen)
+    return seen
+
+
+def _forget(key: tuple[object, ...]) -> Callable[[weakref.ReferenceType[Tensor]], None]:
+    def forget(_: weakref.ReferenceType[Tensor]) -> None:
+        _ROW_VIEWS.pop(key, None)
+
+    return forget
+
+
+def _derive_row_view(caches: tuple[Tensor, ...], head_major: bool) -> RowView | None:
+    """Caches [P, B, Hkv, d] of one storage, dtype, shape and strides seen as one tensor of
+    rows: (rows, slots per page, first row of each cache), slot ``b`` of page ``p`` of
+    cache ``i`` being row ``p * per_page + b + offsets[i]`` (``head_major``: rows of one
+    head, ``(p * per_page + b) * Hkv + h + offsets[i]``). A row whose elements are
+    contiguous is one row of a 2-D tensor, of 16-byte words when its bytes, stride and
+    offset allow (``index_select`` costs per element: ops/row_copy.py). None when the
+    strides do not allow rows (the page stride not a whole number of slot strides, heads
+    not packed in a slot for ``head_major``, caches not a whole number of rows apart)."""
+    cache = caches[0]
+    shape, strides = cache.shape, cache.stride()
+    page_stride, slot_stride, head_stride = strides[0], strides[1], strides[2]
+    if slot_stride <= 0 or page_stride % slot_stride or shape[0] == 0:
+        return None
+    if head_major and slot_stride != shape[2] * head_stride:
+        return None
+    unit = head_stride if head_major else slot_stride
+    base = cache.storage_offset()
+    if len(caches) > 1:
+        elem = cache.element_size()
+        storage = cache.data_ptr() - base * elem
+        for other in caches[1:]:
+            if (
+                other.shape != shape
+                or other.stride() != strides
+                or other.dtype != cache.dtype
+                or other.data_ptr() - other.storage_offset() * elem != storage
+            ):
+                return None
+        base = min(other.storage_offset() for other in caches)
+    deltas = [other.storage_offset() - base for other in caches]
+    if any(delta % unit for delta in deltas):
+        return None
+    offsets = tuple(delta // unit for delta in deltas)
     per_page = page_stride // slot_stride
-    num_rows = (cache.shape[0] - 1) * per_page + cache.shape[1]
-    rows = cache.as_strided(
-        (num_rows, *cache.shape[2:]), (slot_stride, *cache.stride()[2:]), cache.storage_offset()
-    )
-    return rows, per_page
+    per_slot = slot_stride // unit  # rows per slot
+    num_rows = ((shape[0] - 1) * per_page + shape[1]) * per_slot + max(offsets)
+    rest = per_page, offsets
+    dims = 3 if head_major else 2
+    row_shape, row_strides = shape[dims:], strides[dims:]
+    if not _contiguous(row_shape, row_strides):
+        return cache.as_strided((num_rows, *row_shape), (unit, *row_strides), base), *rest
+    rows = cache.as_strided((num_rows, math.prod(row_shape)), (unit, 1), base)
+    try:
+        return rows.view(_WORD), *rest
+    except RuntimeError:  # row bytes, stride or offset not whole 16-byte words
+        return rows, *rest
+
+
+def _contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    expected = 1
+    for size, stride in zip(reversed(shape), reversed(strides), strict=True):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _decode(
@@ -108,26 +207,27 @@ def _decode(
 
     In bf16 / fp16 the scores and the weighted sum are two batched matmuls in the query
     dtype around an fp32 softmax, as transformers' eager attention computes them, over
-    keys gathered head-major (:func:`_gather_heads`). SDPA's CPU flash kernel is built for
+    keys gathered head-major (:func:`_gather_kv`). SDPA's CPU flash kernel is built for
     long query blocks: on contiguous inputs (64 requests x 192 keys, 8 heads of 64, one
     thread) 789 us against 273 us for the matmuls; 8 x 700: 331 vs 153 us; 64 x 1024: 5.9
     vs 3.0 ms. In the W1 decode step of issue 13 (64 requests, the small Qwen3-Next) the two
     attention layers took 5.3 -> 4.4 ms. fp32 keeps SDPA (its matmul form is not faster).
     """
     num_kv_heads = key_cache.shape[2]
-    q = query[batch.rows]  # [N, Hq, D]
+    q = query if batch.all_rows else query[batch.rows]  # [N, Hq, D]
     num, num_heads, head_dim = q.shape
     q = q.view(num, num_kv_heads, num_heads // num_kv_heads, head_dim)  # h = g * rep + i
     if q.dtype in _MATMUL_DECODE_DTYPES and not needs_grad(q):
-        k = _gather_heads(key_cache, batch.keys, query.dtype)  # [N, Hkv, Lk, D]
-        v = _gather_heads(value_cache, batch.keys, query.dtype)
+        k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=True)
         scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [N, Hkv, rep, Lk]
-        probs = scores.mul_(scale).add_(batch.bias).softmax(dim=-1).to(q.dtype)
+        bias = batch.keys.bias(torch.float32)
+        assert bias is not None  # decodes always have a mask
+        probs = scores.mul_(scale).add_(bias).softmax(dim=-1).to(q.dtype)
         out = torch.matmul(probs, v)
     else:
-        k = _gather(key_cache, batch.keys, query.dtype)
-        v = _gather(value_cache, batch.keys, query.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=batch.keys.mask, scale=scale)
+        k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=False)
+        bias = batch.keys.bias(q.dtype)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     return out.reshape(num, num_heads, -1)  # [N, Hkv, rep, Dv] -> [N, Hq, Dv]
 
 
@@ -135,12 +235,13 @@ def _prefill(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, batch: PrefillBatch, scale: float
 ) -> Tensor:
     """[Tp, Hq, Dv] for the prefill rows, one padded SDPA call (GQA by ``enable_gqa``)."""
-    q = query[batch.query_rows].transpose(1, 2)  # [R, Lq, Hq, D] -> [R, Hq, Lq, D]
-    k = _gather(key_cache, batch.keys, query.dtype)  # [R, Hkv, Lk, D]
-    v = _gather(value_cache, batch.keys, query.dtype)
-    mask = batch.keys.mask
+    rows = batch.query_rows
+    q = query[rows][None] if isinstance(rows, slice) else query[rows]  # [R, Lq, Hq, D]
+    q = q.transpose(1, 2)  # [R, Hq, Lq, D]
+    k, v = _gather_kv(key_cache, value_cache, batch.keys, query.dtype, head_major=False)
+    bias = batch.keys.bias(query.dtype)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True
+        q, k, v, attn_mask=bias, is_causal=bias is None, scale=scale, enable_gqa=True
     )  # [R, Hq, Lq, Dv]
     flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])  # [R * Lq, Hq, Dv]
-    return flat[batch.out_src]
+    return flat if batch.out_src is None else flat[batch.out_src]
