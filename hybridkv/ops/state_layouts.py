@@ -70,6 +70,10 @@ class StepCaptures(NamedTuple):
     index: Tensor  # [c] position among the requests running at this step
     offset: Tensor  # [c] row within the chunk (always 0 for token loops)
     pages: Tensor  # [c] capture pages
+    # every one is after its chunk's last row: the states the step carries to the next
+    # chunk, copied instead of computed (a prefill that starts at a cache block boundary,
+    # in chunks of a block, has all its snapshots there)
+    at_chunk_end: bool = False
 
 
 def choose_chunk_tokens(lens: list[int], max_chunk_tokens: int) -> int:
@@ -146,14 +150,21 @@ class ChunkLayout:
 
 
 def _step_captures(
-    hits: list[tuple[int, int, int, int]], num_steps: int, device: torch.device
+    hits: list[tuple[int, int, int, int]],
+    num_steps: int,
+    device: torch.device,
+    last_offset: int | None = None,
 ) -> list[StepCaptures | None]:
-    """(step, index, offset, page) hits grouped by step, as tensors."""
+    """(step, index, offset, page) hits grouped by step, as tensors; ``last_offset``: the
+    offset of a chunk's last row (None: token loops, no such distinction)."""
     per_step: list[list[tuple[int, int, int]]] = [[] for _ in range(num_steps)]
     for step, index, offset, page in hits:
         per_step[step].append((index, offset, page))
     return [
-        StepCaptures(*(long_tensor(col, device) for col in zip(*items, strict=True)))
+        StepCaptures(
+            *(long_tensor(col, device) for col in zip(*items, strict=True)),
+            at_chunk_end=last_offset is not None and all(o == last_offset for _, o, _ in items),
+        )
         if items
         else None
         for items in per_step
@@ -249,7 +260,7 @@ def _block_layout(
         steps=list(zip(offsets, running, strict=True)),
         pages=states.pages[long_tensor([reqs[i] for i in order], device)],
         fresh=bool_tensor(fresh, device) if any(fresh) else None,
-        captures=_step_captures(hits, len(running), device),
+        captures=_step_captures(hits, len(running), device, last_offset=size - 1),
     )
 
 

@@ -164,3 +164,25 @@ def test_unit_lower_inverse_equals_triangular_solve(n: int, batch: int) -> None:
     assert torch.equal(inverse.triu(1), torch.zeros_like(inverse))
     torch.testing.assert_close(inverse @ rhs, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(inverse @ t, torch.eye(n).expand_as(t), rtol=1e-5, atol=1e-5)
+
+
+def test_captures_at_chunk_ends_copy_the_carried_states() -> None:
+    """Snapshots that all fall on chunk ends (a prefill from a block boundary in chunks of
+    a block) are the states the loop carries on, copied: equal to a forward up to there;
+    a capture inside a chunk (row 20) takes the computed path in its step, equal too."""
+    from hybridkv.ops.paged_state import StateCaptures
+
+    q, k, v, g, beta, _ = (t[0] for t in make_inputs(40))
+    starts, live = [0, 40], 0
+    for rows, pages in (([15, 31], [1, 2]), ([15, 20], [1, 2])):
+        view = torch.full((3, 4, 16, 12), float("nan"))
+        captures = StateCaptures(torch.tensor(rows), torch.tensor(pages))
+        states = StateBatch(starts, torch.tensor([live]), [False], captures)
+        layout = states.chunks(16, gdn_module.BLOCK_TOKENS)[0]
+        at_end = [c.at_chunk_end for c in layout.captures if c is not None]
+        assert at_end == ([True, True] if rows == [15, 31] else [True, False])
+        gated_delta_rule_varlen(q, k, v, g, beta, view, states, chunk_size=16)
+        for row, page in zip(rows, pages, strict=True):
+            picked = (x[None, : row + 1] for x in (q, k, v, g, beta))
+            _, want = chunk_gated_delta_rule(*picked, None, chunk_size=16)
+            torch.testing.assert_close(view[page], want[0], rtol=1e-5, atol=1e-5)

@@ -153,12 +153,14 @@ def _chunks(
         v_new = torch.matmul(w[part], start).neg_().add_(u[part])  # [n, Hv, C, Dv]
         torch.matmul(q[part], start, out=out[part])
         out[part] += intra[part] @ v_new
-        if captures is not None:
+        if captures is not None and not captures.at_chunk_end:
             _capture(view, captures, first, start, k_g, v_new, decay, cum)
         start.mul_(end_decay[part])
         start.view(-1, k_dim, v_dim).baddbmm_(
             k_end[part].transpose(-1, -2).reshape(-1, k_dim, size), v_new.view(-1, size, v_dim)
         )
+        if captures is not None and captures.at_chunk_end:  # the states carried on
+            write_states(view, captures.pages, start[captures.index], "gdn.capture")
     write_states(view, layout.pages, state, "gdn.state")
     return layout.unpad(out.transpose(1, 2).reshape(-1, heads, v_dim))
 
