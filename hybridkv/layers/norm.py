@@ -7,6 +7,8 @@ the input dtype, Qwen3-Next/3.5 multiply by ``(1 + w)`` in fp32 and cast last
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -41,9 +43,28 @@ class ZeroCenteredRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(dim))
         self.eps = eps
+        # (the weight it was computed from, its storage, version, dtype, device), 1 + w
+        self._scale: tuple[tuple[Any, ...], Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_normalize(x.float(), self.eps, 1.0 + self.weight.float()).to(x.dtype)
+        return rms_normalize(x.float(), self.eps, self.scale()).to(x.dtype)
+
+    def scale(self) -> Tensor:
+        """``1 + w`` in fp32, computed once per weight while no graph is recorded: a step
+        runs a dozen of these norms or more, and the two ops each saved are a visible share
+        of a small model's step. Recomputed when the weight changes (loaded, moved, cast or
+        updated in place or replaced: the object, its storage, dtype, device or version
+        differ)."""
+        weight = self.weight
+        if weight.requires_grad and torch.is_grad_enabled():
+            return 1.0 + weight.float()
+        key = (weight.data_ptr(), weight._version, weight.dtype, weight.device)
+        cached = self._scale
+        if cached is None or cached[0][0] is not weight or cached[0][1:] != key:
+            with torch.inference_mode(False), torch.no_grad():
+                self._scale = ((weight, *key), 1.0 + weight.float())
+        assert self._scale is not None
+        return self._scale[1]
 
 
 class GatedRMSNorm(nn.Module):

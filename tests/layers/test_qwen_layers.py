@@ -102,3 +102,32 @@ def test_rope_in_place_is_bitwise_apply_rope(
     want_query, want_gate = packed.split(head_dim, dim=-1)
     assert torch.equal(query, apply_rope(want_query, cos, sin))
     assert torch.equal(gate, want_gate)
+
+
+def test_zero_centred_norm_scale_follows_its_weight() -> None:
+    """``1 + w`` is computed once, and again whenever the weight is loaded, updated in
+    place, replaced or cast: the output always equals the formula on the current weight."""
+    norm = ZeroCenteredRMSNorm(8)
+    x = torch.randn(3, 8)
+
+    def want() -> torch.Tensor:
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1 + norm.weight)).to(
+            x.dtype
+        )
+
+    with torch.no_grad():
+        first = norm(x)
+        assert norm.scale() is norm.scale()  # cached
+        torch.testing.assert_close(first, want())
+        norm.weight.add_(0.5)  # in place (an optimizer step)
+        torch.testing.assert_close(norm(x), want())
+        norm.load_state_dict({"weight": torch.full((8,), -0.25)})
+        torch.testing.assert_close(norm(x), want())
+        norm.weight = torch.nn.Parameter(torch.full((8,), 2.0))  # replaced
+        torch.testing.assert_close(norm(x), want())
+        before = norm.scale()
+        norm.to(torch.float64)  # cast: new storage
+        assert norm.scale() is not before and torch.equal(norm.scale(), before)
+    y = norm(x.double())  # with grad: no cache, a graph to the weight
+    y.sum().backward()
+    assert norm.weight.grad is not None

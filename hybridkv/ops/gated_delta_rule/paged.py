@@ -41,6 +41,7 @@ BLOCK_TOKENS = 512  # padded rows per block of requests (keeps the chunk tensors
 # one triangular solve. Sixteen is also the cache block: snapshots fall on chunk ends of a
 # prefill that starts at a block boundary.
 CHUNK_TOKENS = 16
+TRAINING_CHUNK_TOKENS = 64  # the differentiable path's (gated_delta_rule_varlen)
 
 
 def _prepare_rows(
@@ -205,6 +206,9 @@ def gated_delta_rule_varlen(
         ssm_pages: [num_pages, Hv, Dk, Dv] the layer's state view (any float dtype).
         states: the step's rows, live pages and captures for this layer's group.
         chunk_size: the longest chunk of the chunked form (shorter when every request is).
+            Inputs that autograd tracks (training) take transformers' chunk of 64 instead:
+            what is trained there is checked against transformers' gradients, whose
+            rounding follows its chunking (tests/demo).
 
     Returns:
         [T, Hv, Dv] in v's dtype.
@@ -214,7 +218,7 @@ def gated_delta_rule_varlen(
         def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
             picked = (x[None, rows] for x in (q, k, v, g, beta))
             init = None if initial is None else initial[None]
-            o, final = chunk_gated_delta_rule(*picked, init, chunk_size=chunk_size)
+            o, final = chunk_gated_delta_rule(*picked, init, chunk_size=TRAINING_CHUNK_TOKENS)
             return o[0], final[0]
 
         return scan_each_request(torch.empty_like(v), ssm_pages, states, scan)
