@@ -97,9 +97,10 @@ def _decode_step(
         raw.masked_fill_(decodes.fresh[:, None, None], 0.0)
     columns = WORKSPACE.get("conv.decode.taps", (keep, batch, channels), torch.float32, x.device)
     columns.copy_(raw.permute(2, 0, 1))  # [K-1, B, C]: rows the taps vectorise over
-    acc = torch.mul(x.float(), taps[keep])
-    for tap in range(keep):
-        acc.addcmul_(columns[tap], taps[tap])
+    weights = taps.unbind(0)  # one op for every tap's row, not one select each
+    acc = torch.mul(x.float(), weights[keep])
+    for column, weight in zip(columns.unbind(0), weights, strict=False):
+        acc.addcmul_(column, weight)
     if bias is not None:
         acc.add_(bias)
     shifted = WORKSPACE.get("conv.decode.next", shape, conv_pages.dtype, x.device)
