@@ -34,6 +34,7 @@ from hybridkv.engine.config import (
 )
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.generation_defaults import default_sampling
+from hybridkv.engine.host_memory import keep_freed_memory
 from hybridkv.engine.inputs import InputProcessor, PromptType
 from hybridkv.engine.logits_processors import RowContext
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -95,6 +96,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        if self.device.type == "cpu":
+            keep_freed_memory()  # no page faults for the same buffers every step
         if config.trust_remote_code:
             logger.warning(
                 "trust_remote_code is accepted for vLLM command lines, but no code from the "
