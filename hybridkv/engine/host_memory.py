@@ -10,9 +10,10 @@ another route (preloading tcmalloc).
 
 So the engine raises glibc's mmap threshold to its maximum and its trim threshold to
 1 GiB at start-up: freed blocks stay in the heap for the next step's. W1 of issue 13 (64
-requests, the small Qwen3-Next, bf16), interleaved processes on a quiet machine: 932, 965,
-936, 972 tok/s against 912, 863, 918, 904 untuned; page faults 321k -> 214k a run
-(``perf stat``). Peak RSS stayed within its run-to-run spread (842-967 MiB tuned,
+requests, the small Qwen3-Next, bf16), interleaved processes on a quiet machine, these two
+settings: 919, 881, 856 tok/s against 834, 837, 858 untuned (with a 64 MiB top pad as
+well, not kept: 932, 965, 936, 972 against 912, 863, 918, 904); page faults 321k -> 214k
+a run (``perf stat``). Peak RSS stayed within its run-to-run spread (842-967 MiB tuned,
 799-924 MiB untuned, 3 runs each). Skipped where the user already set glibc's
 ``MALLOC_*_`` tunables (setting any of them also turns off glibc's own threshold
 adjustment), off glibc, and for engines on other devices.
