@@ -13,10 +13,10 @@ through these ops, tests/demo).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch import Tensor
+
+from hybridkv.ops.tensor_memo import TensorMemo, missing
 
 _WIDE = torch.complex128  # 16-byte elements: the widest dtype whose copies are plain moves
 
@@ -37,27 +37,24 @@ def _wide_rows(x: Tensor) -> Tensor | None:
         return None
 
 
-# id -> (the tensor, weakly; its wide view): the layer page views, which live as long as
-# their engine and are the source or destination of most row copies. Deriving the view
-# takes a reshape and a dtype view with their checks, ~1.5 us, and a step makes a few
-# dozen such copies; the lookup takes a fraction of that.
-_KNOWN_WIDE: dict[int, tuple[weakref.ReferenceType[Tensor], Tensor]] = {}
+# the layer page views and the workspace's views: they live as long as their engine and
+# are the source or destination of most row copies. Deriving the wide view takes a reshape
+# and a dtype view with their checks, ~1.5 us, and a step makes a few dozen such copies.
+_KNOWN_WIDE: TensorMemo[Tensor] = TensorMemo()
 
 
 def remember_wide_rows(x: Tensor) -> None:
     """Derive ``x``'s 16-byte-word view once, for a tensor that takes part in many copies
     (a layer's page view). Forgotten when ``x`` is freed."""
     wide = _wide_rows(x)
-    if wide is None:
-        return
-    key = id(x)
-    _KNOWN_WIDE[key] = (weakref.ref(x, lambda _, key=key: _KNOWN_WIDE.pop(key, None)), wide)
+    if wide is not None:
+        _KNOWN_WIDE.remember((x,), wide)
 
 
 def _wide(x: Tensor) -> Tensor | None:
-    entry = _KNOWN_WIDE.get(id(x))
-    if entry is not None and entry[0]() is x and not needs_grad(x):
-        return entry[1]
+    found = _KNOWN_WIDE.lookup((x,))
+    if not missing(found) and not needs_grad(x):
+        return found  # type: ignore[return-value]
     return _wide_rows(x)
 
 

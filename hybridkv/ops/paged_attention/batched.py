@@ -10,8 +10,7 @@ ragged batches in a NaN arena.
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +18,7 @@ from torch import Tensor
 
 from hybridkv.ops.paged_attention.plan import AttentionPlan, DecodeBatch, KeyGather, PrefillBatch
 from hybridkv.ops.row_copy import needs_grad
+from hybridkv.ops.tensor_memo import TensorMemo
 
 _MATMUL_DECODE_DTYPES = (torch.bfloat16, torch.float16)  # decodes as two matmuls (_decode)
 _WORD = torch.complex128  # rows gathered as 16-byte words when they are whole words
@@ -113,33 +113,18 @@ def _gather_rows(
 
 RowView = tuple[Tensor, int, tuple[int, ...]]  # rows, slots per page, row offsets
 
-# (ids of the caches, head_major, inference mode) -> (the caches, weakly; their row view):
 # the layer page views live as long as their engine and every layer gathers from its own
 # each step; deriving the view takes ~20 Python-level calls (~5-10 us), the lookup ~1 us.
-_ROW_VIEWS: dict[
-    tuple[object, ...], tuple[tuple[weakref.ReferenceType[Tensor], ...], RowView | None]
-] = {}
+_ROW_VIEWS: TensorMemo[RowView | None] = TensorMemo()
 
 
 def _row_view(caches: tuple[Tensor, ...], head_major: bool) -> RowView | None:
     """:func:`_derive_row_view`, remembered per caches (forgotten when one is freed)."""
-    key = (*(id(cache) for cache in caches), head_major, torch.is_inference_mode_enabled())
-    entry = _ROW_VIEWS.get(key)
-    if entry is not None and all(
-        ref() is cache for ref, cache in zip(entry[0], caches, strict=True)
-    ):
-        return entry[1]
-    seen = _derive_row_view(caches, head_major)
-    forget = _forget(key)
-    _ROW_VIEWS[key] = (tuple(weakref.ref(cache, forget) for cache in caches), seen)
-    return seen
-
-
-def _forget(key: tuple[object, ...]) -> Callable[[weakref.ReferenceType[Tensor]], None]:
-    def forget(_: weakref.ReferenceType[Tensor]) -> None:
-        _ROW_VIEWS.pop(key, None)
-
-    return forget
+    return _ROW_VIEWS.get(
+        caches,
+        lambda: _derive_row_view(caches, head_major),
+        (head_major, torch.is_inference_mode_enabled()),
+    )
 
 
 def _derive_row_view(caches: tuple[Tensor, ...], head_major: bool) -> RowView | None:
