@@ -21,7 +21,7 @@ from hybridkv.ops.tensor_memo import TensorMemo, missing
 _WIDE = torch.complex128  # 16-byte elements: the widest dtype whose copies are plain moves
 
 
-def _wide_rows(x: Tensor) -> Tensor | None:
+def wide_rows(x: Tensor) -> Tensor | None:
     """``x`` as [rows, row bytes / 16] complex128, or None when its rows are not contiguous
     runs of whole 16-byte words."""
     if x.dim() == 0 or x.dtype == _WIDE or needs_grad(x):
@@ -46,7 +46,7 @@ _KNOWN_WIDE: TensorMemo[Tensor] = TensorMemo()
 def remember_wide_rows(x: Tensor) -> None:
     """Derive ``x``'s 16-byte-word view once, for a tensor that takes part in many copies
     (a layer's page view). Forgotten when ``x`` is freed."""
-    wide = _wide_rows(x)
+    wide = wide_rows(x)
     if wide is not None:
         _KNOWN_WIDE.remember((x,), wide)
 
@@ -55,7 +55,7 @@ def _wide(x: Tensor) -> Tensor | None:
     found = _KNOWN_WIDE.lookup((x,))
     if not missing(found) and not needs_grad(x):
         return found  # type: ignore[return-value]
-    return _wide_rows(x)
+    return wide_rows(x)
 
 
 def needs_grad(x: Tensor) -> bool:

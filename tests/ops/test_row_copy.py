@@ -12,7 +12,7 @@ import torch
 
 from hybridkv.ops.paged_attention.batched import _gather, _row_view
 from hybridkv.ops.paged_attention.plan import KeyGather
-from hybridkv.ops.row_copy import _wide_rows, index_copy_rows, index_select_rows
+from hybridkv.ops.row_copy import index_copy_rows, index_select_rows, wide_rows
 
 NUM_PAGES = 9
 
@@ -52,7 +52,7 @@ def test_index_copy_rows_moves_the_bytes_of_index_copy(
     shape: tuple[int, ...], dtype: torch.dtype, page_bytes: int, offset: int, wide: bool
 ) -> None:
     view = page_view(shape, dtype, page_bytes, offset)
-    assert (_wide_rows(view) is not None) is wide
+    assert (wide_rows(view) is not None) is wide
     pages = torch.tensor([7, 2, 5])
     src = page_view(shape, dtype, page_bytes, offset + 64)[:3].contiguous()
     expected = view.clone().index_copy_(0, pages, src)

@@ -17,11 +17,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridkv.ops.paged_attention.plan import AttentionPlan, DecodeBatch, KeyGather, PrefillBatch
-from hybridkv.ops.row_copy import needs_grad
+from hybridkv.ops.row_copy import needs_grad, wide_rows
 from hybridkv.ops.tensor_memo import TensorMemo
 
 _MATMUL_DECODE_DTYPES = (torch.bfloat16, torch.float16)  # decodes as two matmuls (_decode)
-_WORD = torch.complex128  # rows gathered as 16-byte words when they are whole words
 
 
 def store_kv(
@@ -170,10 +169,8 @@ def _derive_row_view(caches: tuple[Tensor, ...], head_major: bool) -> RowView | 
     if not _contiguous(row_shape, row_strides):
         return cache.as_strided((num_rows, *row_shape), (unit, *row_strides), base), *rest
     rows = cache.as_strided((num_rows, math.prod(row_shape)), (unit, 1), base)
-    try:
-        return rows.view(_WORD), *rest
-    except RuntimeError:  # row bytes, stride or offset not whole 16-byte words
-        return rows, *rest
+    words = wide_rows(rows)  # None: row bytes, stride or offset not whole 16-byte words
+    return (rows if words is None else words), *rest
 
 
 def _contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
