@@ -118,6 +118,10 @@ class EngineConfig:
             matmuls, but a slower load (the checkpoint is read into memory and reordered:
             Qwen3.5-0.8B bf16 7.2 s against 0.8 s plain, benchmarks/load_memory.py), so
             off by default.
+        enforce_eager: run every op eagerly (vLLM's flag): no torch.compile of the few
+            ops that compile (hybridkv.ops.compiled), so the first decode step costs no
+            compile (~2 s; ~8 s on a machine whose compile cache is empty), and later ones
+            are slower.
         tensor_parallel_size: accepted for vLLM command lines; only 1 (one device) runs.
         generation_config: default sampling parameters: 'auto' reads the checkpoint's
             generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,
@@ -156,6 +160,7 @@ class EngineConfig:
     mamba_ssm_cache_dtype: str = field(default="auto", metadata={"choices": MAMBA_SSM_CACHE_DTYPES})
     device: str = "cpu"
     pack_weights: bool = False
+    enforce_eager: bool = False
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
     generation_config: str = field(default="auto", metadata={"metavar": "auto|vllm|PATH"})
     override_generation_config: dict[str, Any] | None = field(

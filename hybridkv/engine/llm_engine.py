@@ -56,6 +56,7 @@ from hybridkv.engine.stopping import final_text, update_and_check
 from hybridkv.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hybridkv.models.loader import load_model
 from hybridkv.models.tokenizer import Tokenizer
+from hybridkv.ops.compiled import running_eagerly
 from hybridkv.sched.request import Sequence
 from hybridkv.sched.sampling_params import SamplingParams
 from hybridkv.sched.scheduler import ScheduledChunk, Scheduler
@@ -313,6 +314,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one step; the outputs of every request that moved."""
+        if self.config.enforce_eager:
+            with running_eagerly():
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         outputs = self._drain_inbox()
         if self.speculator is not None:
             self.speculator.plan(self.scheduler.running, self._draft_limit)

@@ -58,6 +58,7 @@ ENGINE_FLAGS: list[tuple[list[str], str, Any]] = [
     (["--device", "cpu"], "device", "cpu"),
     (["--eviction", "cost"], "eviction", "cost"),
     (["--checkpoint-interval", "64"], "checkpoint_interval", 64),
+    (["--enforce-eager"], "enforce_eager", True),
 ]
 SERVER_FLAGS: list[tuple[list[str], str, Any]] = [
     (["--uvicorn-log-level", "debug"], "uvicorn_log_level", "debug"),
@@ -133,7 +134,7 @@ def test_api_key_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize(
     "argv",
     [
-        ["--enforce-eager"],
+        ["--distributed-executor-backend", "mp"],
         ["--swap-space", "4"],
         ["--pipeline-parallel-size", "2"],
     ],

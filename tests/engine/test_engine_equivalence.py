@@ -24,6 +24,8 @@ from hybridkv import LLM, SamplingParams
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.engine.config import EngineConfig
 from hybridkv.layers import packed_linear
+from hybridkv.ops import compiled
+from hybridkv.ops.gated_delta_rule import paged as gdn_paged
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -102,6 +104,38 @@ def test_packed_weights_keep_every_answer(
         assert_transformers_greedy(hf, p, reply)
     assert sum(c for _, _, c in packed) > 0  # the packed run was served from the cache
     assert_all_released(llm)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_enforce_eager_keeps_every_answer(
+    arch: str, checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``enforce_eager`` (the gated delta rule's decode step then runs eagerly instead of
+    compiled, hybridkv.ops.compiled): the multi-turn scenario with the cache on gives the
+    same greedy answers as the compiled engine, and transformers'; an engine beside it in
+    the process still compiles."""
+    hf, path = checkpoints(arch)
+    with_compile = run_scenario(LLM(str(path), **OPTIONS))
+    op = gdn_paged._decode_in_pages
+    assert op._compiled is not None and not op._failed
+    ran: list[bool] = []
+    real = op.eager
+
+    def eager_spy(*args: Any) -> Any:
+        ran.append(compiled.compile_enabled())
+        return real(*args)
+
+    monkeypatch.setattr(op, "eager", eager_spy)  # what compiled stays the real function
+    compiled_llm = LLM(str(path), **OPTIONS)
+    eager = run_scenario(LLM(str(path), enforce_eager=True, **OPTIONS))
+    assert ran and not any(ran)  # every decode step of that engine ran eagerly
+    ran.clear()
+    assert run_scenario(compiled_llm) == with_compile and not ran  # this one compiled
+    for (p, reply, cached), (_, reply_compiled, cached_compiled) in zip(
+        eager, with_compile, strict=True
+    ):
+        assert reply == reply_compiled and cached == cached_compiled
+        assert_transformers_greedy(hf, p, reply)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

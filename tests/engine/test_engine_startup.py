@@ -151,8 +151,8 @@ def test_vllm_options_are_accepted(
     assert kv == "bfloat16"
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
-    with pytest.raises(TypeError, match="enforce_eager"):
-        LLM(str(ckpt), enforce_eager=True)
+    with pytest.raises(TypeError, match="swap_space"):
+        LLM(str(ckpt), swap_space=4)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e5m2"])

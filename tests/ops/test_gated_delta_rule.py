@@ -186,3 +186,41 @@ def test_captures_at_chunk_ends_copy_the_carried_states() -> None:
             picked = (x[None, : row + 1] for x in (q, k, v, g, beta))
             _, want = chunk_gated_delta_rule(*picked, None, chunk_size=16)
             torch.testing.assert_close(view[page], want[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("with_fresh", [True, False], ids=["fresh", "carried"])
+@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_compiled_decode_equals_the_eager_one(
+    page_dtype: torch.dtype, with_fresh: bool
+) -> None:
+    """The one-token recurrence compiled (hybridkv.ops.compiled) against its eager form,
+    on strided pages as the cache lays them out, fresh rows over NaN garbage:
+    outputs and written states equal up to rounding, every other page untouched."""
+    gen = torch.Generator().manual_seed(5)
+    batch, heads, k_dim, v_dim, num_pages = 6, 4, 16, 12, 20
+    arena = torch.randn(num_pages, 2, heads, k_dim, v_dim, generator=gen).to(page_dtype)
+    view = arena[:, 1]  # pages interleaved with another layer's, as in a group page
+    pages = torch.tensor([7, 2, 19, 11, 0, 5])
+    fresh = torch.tensor([False, True, False, False, True, False]) if with_fresh else None
+    if fresh is not None:
+        view[pages[fresh]] = float("nan")
+    q, k = (torch.randn(batch, heads, k_dim, generator=gen) * 0.3 for _ in range(2))
+    v = torch.randn(batch, heads, v_dim, generator=gen)
+    g = -torch.rand(batch, heads, generator=gen)
+    beta = torch.rand(batch, heads, generator=gen)
+    results = []
+    with torch.inference_mode():
+        for run in (gdn_module._decode_in_pages, gdn_module._decode_in_pages.eager):
+            pages_copy = arena.clone()
+            out = run(pages_copy[:, 1], pages, fresh, q, k, v, g, beta)
+            results.append((out, pages_copy))
+    (out, written), (want, want_written) = results
+    op = gdn_module._decode_in_pages
+    assert op._compiled is not None and not op._failed  # it did compile
+    assert not out.isnan().any() and not written[:, 1][pages].isnan().any()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(written.float(), want_written.float(), rtol=1e-2, atol=1e-5)
+    others = torch.ones(num_pages, dtype=torch.bool)
+    others[pages] = False
+    assert torch.equal(written[others], arena[others])
+    assert torch.equal(written[:, 0], arena[:, 0])

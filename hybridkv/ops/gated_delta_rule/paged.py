@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from hybridkv.ops.compiled import CompiledOp
 from hybridkv.ops.exp import decay_exp_
 from hybridkv.ops.gated_delta_rule.naive import chunk_gated_delta_rule, l2norm
 from hybridkv.ops.paged_state import (
@@ -64,15 +65,67 @@ def _decode(
     decodes: DecodeRows,
     every_row: bool = False,
 ) -> Tensor:
-    """One recurrence step for every decode, states updated in place: [B, Hv, Dv].
+    """One recurrence step for every decode, states updated in their pages: [B, Hv, Dv].
     ``every_row``: the step's rows are exactly the decodes, in order (nothing to pick)."""
     if every_row:  # contiguous, as index_select's copies are (the views below need it)
         q, k, v, g, beta = (x.contiguous() for x in rows)
     else:
         q, k, v, g, beta = (x.index_select(0, decodes.rows) for x in rows)  # [B, H, ...]
     q, k = _per_v_head(q, v.shape[1]), _per_v_head(k, v.shape[1])
+    return _decode_in_pages(view, decodes.pages, decodes.fresh, q, k, v, g, beta)
+
+
+def _decode_in_pages_fused(
+    view: Tensor,
+    pages: Tensor,
+    fresh: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+) -> Tensor:
+    """The one-token recurrence on the states in ``view[pages]``, updated there.
+
+    q, k [B, Hv, Dk], v [B, Hv, Dv], g (log decay), beta [B, Hv], fp32 and contiguous;
+    ``fresh`` [B] bool or None: start from zeros (masked, never multiplied: NaN garbage in
+    a fresh page stays out). Returns [B, Hv, Dv] fp32.
+
+    The form to compile (:mod:`hybridkv.ops.compiled`): elementwise products and sums that
+    inductor turns into one loop reading each state and one writing it, where eager torch
+    (:func:`_decode_in_pages_eager`) makes eight passes over the batch's states (gather,
+    to fp32, decay, two bmm, update, to the page dtype, scatter). 64 requests of the small
+    Qwen3-Next (8 heads of 64 x 64, bf16 pages), one thread: a 64-row decode step 38 ->
+    33 ms, the op ~1.5 -> ~0.9 ms per layer (eagerly this form takes ~6 ms).
+    """
+    state = view[pages].float()  # [B, Hv, Dk, Dv]
+    if fresh is not None:
+        state = state.masked_fill(fresh[:, None, None, None], 0.0)
+    decay = g.exp()[..., None]  # [B, Hv, 1]
+    # S' = d S + k delta^T with delta = beta (v - d S^T k), and S'^T q = d S^T q + (k . q)
+    # delta: both reads of S are one pass over it, the write of S' a second
+    s_k = (state * k[..., None]).sum(-2)  # [B, Hv, Dv]
+    s_q = (state * q[..., None]).sum(-2)
+    delta = (v - decay * s_k) * beta[..., None]
+    out = decay * s_q + (k * q).sum(-1, keepdim=True) * delta
+    view[pages] = (state * decay[..., None] + k[..., None] * delta[..., None, :]).to(view.dtype)
+    return out
+
+
+def _decode_in_pages_eager(
+    view: Tensor,
+    pages: Tensor,
+    fresh: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+) -> Tensor:
+    """:func:`_decode_in_pages_fused` for eager torch: the states read once into an fp32
+    workspace buffer, updated there in place in transformers' order, written back once."""
     batch, heads, k_dim = k.shape
-    state = read_states(view, decodes.pages, decodes.fresh, "gdn.state")  # [B, Hv, Dk, Dv]
+    state = read_states(view, pages, fresh, "gdn.state")  # [B, Hv, Dk, Dv]
     state.mul_(g.exp()[..., None, None])
     flat = state.view(batch * heads, k_dim, -1)  # [B*Hv, Dk, Dv]
     kv_mem = torch.bmm(k.view(batch * heads, 1, k_dim), flat)  # [B*Hv, 1, Dv]
@@ -81,8 +134,11 @@ def _decode(
     # twice as long: 272 vs 147 us for 64 requests x 8 heads of 64 x 64)
     flat.addcmul_(k.view(batch * heads, k_dim, 1), delta)
     out = torch.bmm(q.view(batch * heads, 1, k_dim), flat).view(batch, heads, -1)
-    write_states(view, decodes.pages, state, "gdn.state")
+    write_states(view, pages, state, "gdn.state")
     return out
+
+
+_decode_in_pages = CompiledOp(_decode_in_pages_fused, _decode_in_pages_eager)
 
 
 INVERSE_BLOCK = 16  # unit_lower_inverse solves blocks up to this size directly
