@@ -16,6 +16,7 @@ another thread. Everything else belongs to the thread calling ``step``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import random
 import threading
@@ -169,6 +170,8 @@ class LLMEngine:
             poison_arena=config.poison_cache,
         )
         self.speculator = self.speculative.speculator(self.manager, self.runner)
+        with running_eagerly() if config.enforce_eager else contextlib.nullcontext():
+            self.runner.warm_up_compiled()  # compiled ops compile now, not while serving
         budget_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.scheduler = Scheduler(
             self.manager, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget_tokens

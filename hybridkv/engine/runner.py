@@ -67,6 +67,16 @@ class ModelRunner:
         self.groups = [g for g in spec.groups if not g.is_draft]  # the draft runs elsewhere
         self.num_page_copies = 0
 
+    def warm_up_compiled(self) -> None:
+        """Compile the model's compiled ops (hybridkv.ops.compiled) for this cache's layout
+        before serving: each layer that has them implements ``warm_up_compiled(views)``.
+        Otherwise the first decode step would wait for the compile (~2-8 s), and so would the
+        first step with one request."""
+        for module in self.model.modules():
+            warm_up = getattr(module, "warm_up_compiled", None)
+            if callable(warm_up):
+                warm_up(self.views)
+
     @property
     def arena(self) -> Tensor:
         return self.views.arena

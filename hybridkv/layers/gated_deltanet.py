@@ -22,7 +22,7 @@ from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.layers.norm import GatedRMSNorm
 from hybridkv.ops.causal_conv1d import causal_conv1d_varlen
-from hybridkv.ops.gated_delta_rule import gated_delta_rule_varlen
+from hybridkv.ops.gated_delta_rule import gated_delta_rule_varlen, warm_up_decode
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,6 +66,11 @@ class GatedDeltaNet(nn.Module):
     def project(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """x [T, H] -> (qkv [T, conv_dim] as [q|k|v], z [T, Hv, Dv], b [T, Hv], a [T, Hv])."""
         raise NotImplementedError
+
+    def warm_up_compiled(self, views: CacheViews) -> None:
+        """Compile this layer's compiled ops for its cache layout (the model runner calls it
+        once, before serving; hybridkv.ops.compiled)."""
+        warm_up_decode(views.state(self.layer_index)["ssm"])
 
     def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
         cfg, num_tokens = self.cfg, x.shape[0]

@@ -9,17 +9,21 @@ chain is one loop that reads and writes each state once (measurements in the com
 added this module and in docs/architecture.md).
 
 A compiled op traces on its first call and compiles C++ (CPU) for it, once per process
-for each set of dtypes and devices; shapes are dynamic, so a new batch size or model
-compiles nothing. Inductor keeps compiled code in its on-disk cache, so later processes
-on the same machine skip the C++ compile. Where compiling cannot work (no C++ compiler,
-an unsupported platform) the op warns once and runs eagerly from then on; the results
-differ from the eager ones only in rounding (the sums run in another order).
+for each dtype and layout; shapes are dynamic, so a new batch size or model of the same
+layout compiles nothing, except that dynamo specialises a size of one (a batch of one
+compiles again). An op that knows its layouts ahead compiles them when the engine starts
+(``warm_up`` functions beside the op, called by the layers' ``warm_up_compiled`` from the
+model runner), so serving never waits for a compile. Inductor keeps compiled code in its
+on-disk cache, so a later process on the same machine skips the C++ compile: ~2 s per
+process for the first op then, ~8 s on a machine whose cache is empty. Where compiling
+cannot work (no C++ compiler, an unsupported platform) the op warns once and runs its eager
+form from then on; the two forms agree up to rounding (sums in another order).
 
 ``HYBRIDKV_ENFORCE_EAGER=1`` runs every op eagerly in the process; :func:`running_eagerly`
 in a block of code (the engine's ``enforce_eager``, vLLM's flag, wraps its steps in it).
-Dynamo compiles a function again for new dtypes or layouts, up to its recompile limit (8);
-past it, dynamo runs the function eagerly (a warning in its log), so a process that serves
-many models loses speed, never correctness.
+Dynamo compiles a function again for each new combination of dtypes and layouts, up to its
+recompile limit (8 per function); a call past it runs the eager form (one log line), so a
+process that serves many models loses speed, never correctness.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from contextvars import ContextVar
 from typing import Generic, ParamSpec, TypeVar
 
 import torch
-from torch._dynamo.exc import BackendCompilerFailed
+from torch import Tensor
+from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
 from torch._inductor.exc import InductorError
 
 P = ParamSpec("P")
@@ -41,6 +46,9 @@ R = TypeVar("R")
 logger = logging.getLogger(__name__)
 
 _COMPILE_FAILURES = (BackendCompilerFailed, InductorError)
+# raised for one call: a combination of inputs past the recompile limit (or a graph break,
+# which would be a bug in a fused form); other combinations stay compiled
+_CALL_FAILURES = (FailOnRecompileLimitHit, Unsupported)
 _ENFORCE_EAGER = os.environ.get("HYBRIDKV_ENFORCE_EAGER", "").lower() in ("1", "true", "yes")
 _eager_here: ContextVar[bool] = ContextVar("hybridkv_eager_ops", default=False)
 
@@ -61,11 +69,23 @@ def compile_enabled() -> bool:
 
 
 def _tracks_grad(args: tuple[object, ...]) -> bool:
-    """Autograd records this call: the ops here update state in place, which only the
-    eager path's callers handle (they take another path under autograd anyway)."""
-    return torch.is_grad_enabled() and any(
-        isinstance(a, torch.Tensor) and a.requires_grad for a in args
-    )
+    """Autograd records this call. The eager forms update state in place in workspace
+    buffers, which cannot be differentiated; their callers take a differentiable path then
+    (:func:`hybridkv.ops.paged_state.scan_each_request`) and never get here, but a compiled
+    graph must not be traced for autograd either."""
+    return torch.is_grad_enabled() and any(isinstance(a, Tensor) and a.requires_grad for a in args)
+
+
+def _variant(args: tuple[object, ...]) -> tuple[object, ...]:
+    """What dynamo compiles a new graph for, roughly: dtypes, ranks, a size-one first dim,
+    None arguments and the autograd mode."""
+    parts: list[object] = [torch.is_inference_mode_enabled(), torch.is_grad_enabled()]
+    for a in args:
+        if isinstance(a, Tensor):
+            parts.append((a.dtype, a.dim(), a.dim() > 0 and a.shape[0] == 1))
+        else:
+            parts.append(a is None)
+    return tuple(parts)
 
 
 class CompiledOp(Generic[P, R]):
@@ -82,19 +102,59 @@ class CompiledOp(Generic[P, R]):
         self.eager = eager or fused
         self._compiled: Callable[P, R] | None = None
         self._failed = False
+        self._eager_variants: set[tuple[object, ...]] = set()
+        self.num_compiled_calls = 0  # calls that ran the compiled graph (tests read it)
+
+    def reset(self) -> None:
+        """Forget the compiled function, failures and counts (what torch._dynamo.reset()
+        drops on dynamo's side; tests use the two together)."""
+        self._compiled = None
+        self._failed = False
+        self._eager_variants.clear()
+        self.num_compiled_calls = 0
+
+    def will_compile(self) -> bool:
+        """Whether a call here and now would run (or compile) the fused form."""
+        return not self._failed and compile_enabled()
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        if self._failed or not compile_enabled() or _tracks_grad(args):
+        if not self.will_compile() or _tracks_grad(args):
+            return self.eager(*args, **kwargs)
+        if self._eager_variants and _variant(args) in self._eager_variants:
             return self.eager(*args, **kwargs)
         if self._compiled is None:
-            self._compiled = torch.compile(self.fused, dynamic=True)
+            try:
+                self._compiled = torch.compile(self.fused, dynamic=True, fullgraph=True)
+            except RuntimeError as exc:  # torch.compile refuses this Python or platform
+                self._fail(exc)
+                return self.eager(*args, **kwargs)
         try:
-            return self._compiled(*args, **kwargs)
+            out = self._compiled(*args, **kwargs)
         except _COMPILE_FAILURES as exc:  # raised while compiling, before anything ran
-            self._failed = True
+            self._fail(exc)
+            return self.eager(*args, **kwargs)
+        except _CALL_FAILURES as exc:  # this combination of inputs only (nothing ran)
+            variant = _variant(args)
+            self._eager_variants.add(variant)
             logger.warning(
-                "torch.compile of %s failed, running it eagerly: %s",
+                "%s runs eagerly for inputs %s: %s",
                 self.fused.__qualname__,
-                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                variant,
+                _first_line(exc),
             )
             return self.eager(*args, **kwargs)
+        self.num_compiled_calls += 1
+        return out
+
+    def _fail(self, exc: Exception) -> None:
+        self._failed = True
+        logger.warning(
+            "torch.compile of %s failed, running it eagerly: %s",
+            self.fused.__qualname__,
+            _first_line(exc),
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__

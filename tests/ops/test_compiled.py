@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 from torch import Tensor
+from torch._dynamo.exc import FailOnRecompileLimitHit
 from torch._inductor.exc import InductorError
 
 from hybridkv.ops import compiled as compiled_module
@@ -16,6 +17,7 @@ from hybridkv.ops.compiled import CompiledOp, compile_enabled, running_eagerly
 
 
 def scaled_sum(x: Tensor, scale: Tensor) -> Tensor:
+    """The "fused" form of the ops under test."""
     return (x * scale).sum(-1)
 
 
@@ -46,6 +48,7 @@ def test_an_op_compiles_once_and_runs_compiled(compile_calls: list[str]) -> None
 
 
 def scaled_sum_eager(x: Tensor, scale: Tensor) -> Tensor:
+    """Their eager form: the same values (up to rounding), another computation."""
     return x @ scale
 
 
@@ -100,3 +103,51 @@ def test_an_error_that_is_not_a_compile_failure_propagates(
     op = CompiledOp(scaled_sum)
     with pytest.raises(RuntimeError, match="size"):
         op(torch.randn(3, 4), torch.randn(5))
+
+
+def test_a_call_past_the_recompile_limit_runs_eagerly_for_those_inputs_only(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Dynamo refuses one more graph (its recompile limit): that combination of dtypes runs
+    the eager form from then on, without asking dynamo again; the others stay compiled."""
+    attempts: list[torch.dtype] = []
+
+    def limited_compile(fn: Callable[..., Tensor], **kwargs: object) -> Callable[..., Tensor]:
+        def run(x: Tensor, scale: Tensor) -> Tensor:
+            attempts.append(x.dtype)
+            if x.dtype == torch.float64:
+                raise FailOnRecompileLimitHit("recompile limit reached")
+            return fn(x, scale)
+
+        return run
+
+    monkeypatch.setattr(compiled_module.torch, "compile", limited_compile)
+    op = CompiledOp(scaled_sum, scaled_sum_eager)
+    x, s = torch.randn(3, 4), torch.randn(4)
+    with caplog.at_level(logging.WARNING, logger=compiled_module.__name__):
+        for _ in range(2):
+            assert torch.equal(op(x.double(), s.double()), scaled_sum_eager(x.double(), s.double()))
+            assert torch.equal(op(x, s), scaled_sum(x, s))
+    assert attempts == [torch.float64, torch.float32, torch.float32]
+    assert op.num_compiled_calls == 2 and op.will_compile()
+    assert len(caplog.records) == 1 and "runs eagerly for inputs" in caplog.records[0].getMessage()
+
+
+def test_a_platform_torch_compile_refuses_runs_eagerly(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """torch.compile raising at once (an unsupported Python or platform) is a failed
+    compile too: one warning, the eager form from then on."""
+    calls: list[int] = []
+
+    def refusing_compile(fn: Callable[..., Tensor], **kwargs: object) -> Callable[..., Tensor]:
+        calls.append(1)
+        raise RuntimeError("torch.compile is not supported on this Python")
+
+    monkeypatch.setattr(compiled_module.torch, "compile", refusing_compile)
+    op = CompiledOp(scaled_sum, scaled_sum_eager)
+    x, s = torch.randn(3, 4), torch.randn(4)
+    with caplog.at_level(logging.WARNING, logger=compiled_module.__name__):
+        assert torch.equal(op(x, s), scaled_sum_eager(x, s))
+        assert torch.equal(op(x, s), scaled_sum_eager(x, s))
+    assert calls == [1] and not op.will_compile() and len(caplog.records) == 1

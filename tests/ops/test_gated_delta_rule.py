@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 from ops_checks import RAGGED_TOKENS, check_varlen_batch
 from torch import Tensor
 
+from hybridkv.ops.compiled import CompiledOp
 from hybridkv.ops.gated_delta_rule import (
     chunk_gated_delta_rule,
     gated_delta_rule_varlen,
@@ -188,35 +189,55 @@ def test_captures_at_chunk_ends_copy_the_carried_states() -> None:
             torch.testing.assert_close(view[page], want[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.fixture
+def fresh_compile() -> Iterator[CompiledOp[..., Tensor]]:
+    """The decode op with nothing compiled yet in the process (dynamo's caches and the op's
+    state reset), so that a test sees what it compiles, never a fallback left by earlier
+    tests (dynamo's recompile limit)."""
+    op = gdn_module._decode_in_pages
+    torch._dynamo.reset()
+    op.reset()
+    yield op
+    torch._dynamo.reset()
+    op.reset()
+
+
+def decode_inputs(
+    batch: int, heads: int = 4, k_dim: int = 16, v_dim: int = 12, seed: int = 5
+) -> tuple[Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, heads, k_dim, generator=gen) * 0.3 for _ in range(2))
+    v = torch.randn(batch, heads, v_dim, generator=gen)
+    g = -torch.rand(batch, heads, generator=gen)
+    beta = torch.rand(batch, heads, generator=gen)
+    return q, k, v, g, beta
+
+
 @pytest.mark.parametrize("with_fresh", [True, False], ids=["fresh", "carried"])
-@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_the_compiled_decode_equals_the_eager_one(
-    page_dtype: torch.dtype, with_fresh: bool
+    page_dtype: torch.dtype, with_fresh: bool, fresh_compile: CompiledOp[..., Tensor]
 ) -> None:
     """The one-token recurrence compiled (hybridkv.ops.compiled) against its eager form,
     on strided pages as the cache lays them out, fresh rows over NaN garbage:
     outputs and written states equal up to rounding, every other page untouched."""
     gen = torch.Generator().manual_seed(5)
-    batch, heads, k_dim, v_dim, num_pages = 6, 4, 16, 12, 20
+    heads, k_dim, v_dim, num_pages = 4, 16, 12, 20
     arena = torch.randn(num_pages, 2, heads, k_dim, v_dim, generator=gen).to(page_dtype)
     view = arena[:, 1]  # pages interleaved with another layer's, as in a group page
     pages = torch.tensor([7, 2, 19, 11, 0, 5])
     fresh = torch.tensor([False, True, False, False, True, False]) if with_fresh else None
     if fresh is not None:
         view[pages[fresh]] = float("nan")
-    q, k = (torch.randn(batch, heads, k_dim, generator=gen) * 0.3 for _ in range(2))
-    v = torch.randn(batch, heads, v_dim, generator=gen)
-    g = -torch.rand(batch, heads, generator=gen)
-    beta = torch.rand(batch, heads, generator=gen)
+    inputs = decode_inputs(len(pages))
     results = []
     with torch.inference_mode():
-        for run in (gdn_module._decode_in_pages, gdn_module._decode_in_pages.eager):
+        for run in (fresh_compile, fresh_compile.eager):
             pages_copy = arena.clone()
-            out = run(pages_copy[:, 1], pages, fresh, q, k, v, g, beta)
+            out = run(pages_copy[:, 1], pages, fresh, *inputs)
             results.append((out, pages_copy))
     (out, written), (want, want_written) = results
-    op = gdn_module._decode_in_pages
-    assert op._compiled is not None and not op._failed  # it did compile
+    assert fresh_compile.num_compiled_calls == 1  # the first ran compiled
     assert not out.isnan().any() and not written[:, 1][pages].isnan().any()
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(written.float(), want_written.float(), rtol=1e-2, atol=1e-5)
@@ -224,3 +245,46 @@ def test_the_compiled_decode_equals_the_eager_one(
     others[pages] = False
     assert torch.equal(written[others], arena[others])
     assert torch.equal(written[:, 0], arena[:, 0])
+
+
+def test_a_compiled_decode_row_is_the_same_alone_and_in_a_batch(
+    fresh_compile: CompiledOp[..., Tensor],
+) -> None:
+    """A batch of one runs a graph of its own (dynamo specialises size one); each row's
+    output and state must not depend on which, or on its neighbours, bit for bit: cache on
+    and off put a request in different batches, and must still agree exactly."""
+    arena = torch.randn(9, 2, 4, 16, 12).to(torch.bfloat16)
+    pages = torch.tensor([3, 8, 1, 6])
+    inputs = decode_inputs(len(pages))
+    with torch.inference_mode():
+        together = arena.clone()
+        out_together = fresh_compile(together[:, 1], pages, None, *inputs)
+        for row in range(len(pages)):
+            alone = arena.clone()
+            picked = [x[row : row + 1] for x in inputs]
+            out_alone = fresh_compile(alone[:, 1], pages[row : row + 1], None, *picked)
+            assert torch.equal(out_alone[0], out_together[row])
+            assert torch.equal(alone[pages[row]], together[pages[row]])
+    assert fresh_compile.num_compiled_calls == 1 + len(pages)
+
+
+def test_warm_up_compiles_both_batch_shapes_and_puts_the_pages_back(
+    fresh_compile: CompiledOp[..., Tensor],
+) -> None:
+    """After gdn_module.warm_up_decode a decode of one or of many rows on that page layout
+    compiles nothing more; the pages the warm-up ran on hold their bytes again (NaN
+    poison included)."""
+    arena = torch.full((20, 2, 4, 16, 12), float("nan"), dtype=torch.bfloat16)
+    arena[:, 0] = 1.0
+    view = arena[:, 1]
+    before = arena.clone()
+    gdn_module.warm_up_decode(view)
+    assert fresh_compile.num_compiled_calls == 2
+    assert torch.equal(arena.view(torch.int16), before.view(torch.int16))
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    with torch.inference_mode():
+        for batch in (1, 5, 17):
+            pages = torch.arange(batch)
+            fresh_compile(view, pages, None, *decode_inputs(batch))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert fresh_compile.num_compiled_calls == 5

@@ -12,11 +12,12 @@ from hybridkv.ops.gated_delta_rule.naive import (
     l2norm,
     recurrent_gated_delta_rule,
 )
-from hybridkv.ops.gated_delta_rule.paged import gated_delta_rule_varlen
+from hybridkv.ops.gated_delta_rule.paged import gated_delta_rule_varlen, warm_up_decode
 
 __all__ = [
     "chunk_gated_delta_rule",
     "gated_delta_rule_varlen",
     "l2norm",
     "recurrent_gated_delta_rule",
+    "warm_up_decode",
 ]

@@ -29,6 +29,7 @@ from hybridkv.ops.paged_state import (
     scan_each_request,
     write_states,
 )
+from hybridkv.ops.row_copy import index_copy_rows
 from hybridkv.ops.state_layouts import ChunkLayout, StepCaptures
 
 BLOCK_TOKENS = 512  # padded rows per block of requests (keeps the chunk tensors in cache)
@@ -95,8 +96,9 @@ def _decode_in_pages_fused(
     inductor turns into one loop reading each state and one writing it, where eager torch
     (:func:`_decode_in_pages_eager`) makes eight passes over the batch's states (gather,
     to fp32, decay, two bmm, update, to the page dtype, scatter). 64 requests of the small
-    Qwen3-Next (8 heads of 64 x 64, bf16 pages), one thread: a 64-row decode step 38 ->
-    33 ms, the op ~1.5 -> ~0.9 ms per layer (eagerly this form takes ~6 ms).
+    Qwen3-Next (8 heads of 64 x 64, bf16 pages), one thread: the op ~1.6 -> ~0.9 ms per
+    layer (cProfile), a decode step 36 -> 32 ms (medians of 3 interleaved W1 runs each);
+    run eagerly, this form would take ~6 ms.
     """
     state = view[pages].float()  # [B, Hv, Dk, Dv]
     if fresh is not None:
@@ -139,6 +141,30 @@ def _decode_in_pages_eager(
 
 
 _decode_in_pages = CompiledOp(_decode_in_pages_fused, _decode_in_pages_eager)
+
+# rows of the warm-up's larger batch: a size no model dimension has (dynamo ties sizes that
+# are equal when it traces, and would compile again for every batch of another size)
+WARM_UP_BATCH = 13
+
+
+def warm_up_decode(view: Tensor) -> None:
+    """Compile the one-token step for ``view``'s dtype and page layout before serving: a
+    batch of one and a larger batch (dynamo compiles size one apart), on the view's first
+    pages, whose bytes are put back (a poisoned cache stays poisoned). No-op where the step
+    runs eagerly."""
+    if not _decode_in_pages.will_compile():
+        return
+    heads, k_dim, v_dim = view.shape[1:]
+    with torch.inference_mode():  # as the engine's steps: dynamo compiles per mode
+        pages = torch.arange(min(WARM_UP_BATCH, view.shape[0]), device=view.device)
+        saved = view.index_select(0, pages)
+        for batch in sorted({pages.numel(), 1}, reverse=True):
+            q, k, v, g, beta = (  # distinct tensors: dynamo also compiles per aliasing
+                torch.zeros(batch, heads, *dims, device=view.device)
+                for dims in ((k_dim,), (k_dim,), (v_dim,), (), ())
+            )
+            _decode_in_pages(view, pages[:batch], None, q, k, v, g, beta)
+        index_copy_rows(view, pages, saved)
 
 
 INVERSE_BLOCK = 16  # unit_lower_inverse solves blocks up to this size directly
