@@ -119,9 +119,9 @@ class EngineConfig:
             Qwen3.5-0.8B bf16 7.2 s against 0.8 s plain, benchmarks/load_memory.py), so
             off by default.
         enforce_eager: run every op eagerly (vLLM's flag): no torch.compile of the few
-            ops that compile (hybridkv.ops.compiled), so the first decode step costs no
-            compile (~2 s; ~8 s on a machine whose compile cache is empty), and later ones
-            are slower.
+            ops that compile (hybridkv.ops.compiled), so start-up skips their compile
+            (~1.7 s; ~8 s on a machine whose compile cache is empty), and decode steps are
+            slower.
         tensor_parallel_size: accepted for vLLM command lines; only 1 (one device) runs.
         generation_config: default sampling parameters: 'auto' reads the checkpoint's
             generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty,

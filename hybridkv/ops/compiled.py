@@ -14,8 +14,8 @@ layout compiles nothing, except that dynamo specialises a size of one (a batch o
 compiles again). An op that knows its layouts ahead compiles them when the engine starts
 (``warm_up`` functions beside the op, called by the layers' ``warm_up_compiled`` from the
 model runner), so serving never waits for a compile. Inductor keeps compiled code in its
-on-disk cache, so a later process on the same machine skips the C++ compile: ~2 s per
-process for the first op then, ~8 s on a machine whose cache is empty. Where compiling
+on-disk cache, so a later process on the same machine skips the C++ compile: ~1.7 s per
+graph then, ~8 s on a machine whose cache is empty. Where compiling
 cannot work (no C++ compiler, an unsupported platform) the op warns once and runs its eager
 form from then on; the two forms agree up to rounding (sums in another order).
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from engine_checkpoints import ARCH, ARCHITECTURES, tight_cache_gib
 from hybrid_checks import prompt
 from tiny import hf_logits
@@ -24,6 +25,7 @@ from hybridkv import LLM, SamplingParams
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.engine.config import EngineConfig
 from hybridkv.layers import packed_linear
+from hybridkv.layers.gated_deltanet import GatedDeltaNet
 from hybridkv.ops import compiled
 from hybridkv.ops.gated_delta_rule import paged as gdn_paged
 
@@ -136,6 +138,25 @@ def test_enforce_eager_keeps_every_answer(
     ):
         assert reply == reply_compiled and cached == cached_compiled
         assert_transformers_greedy(hf, p, reply)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_serving_compiles_nothing_after_start_up(arch: str, checkpoints: Any) -> None:
+    """The engine compiles its compiled ops when it starts (ModelRunner.warm_up_compiled):
+    the multi-turn scenario (batches of one and more, prefills beside decodes) then runs
+    the compiled graph and compiles no other, so no request waits for a compile."""
+    hf, path = checkpoints(arch)
+    op = gdn_paged._decode_in_pages
+    torch._dynamo.reset()  # nothing compiled earlier in the process counts
+    op.reset()
+    llm = LLM(str(path), **OPTIONS)
+    graphs, calls = torch._dynamo.utils.counters["stats"]["unique_graphs"], op.num_compiled_calls
+    modules = llm.engine.runner.model.modules()
+    assert calls == sum(isinstance(m, GatedDeltaNet) for m in modules)  # one warm-up each
+    for p, reply, _ in run_scenario(llm):
+        assert_transformers_greedy(hf, p, reply)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    assert op.num_compiled_calls > calls
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -16,7 +16,7 @@ from hybridkv.ops.gated_delta_rule import (
     recurrent_gated_delta_rule,
 )
 from hybridkv.ops.gated_delta_rule import paged as gdn_module
-from hybridkv.ops.paged_state import StateBatch
+from hybridkv.ops.paged_state import DecodeRows, StateBatch
 
 hf_next = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
@@ -247,44 +247,53 @@ def test_the_compiled_decode_equals_the_eager_one(
     assert torch.equal(written[:, 0], arena[:, 0])
 
 
+def decode_step(view: Tensor, pages: Tensor, inputs: tuple[Tensor, ...]) -> Tensor:
+    """The op's decode path for a step of decodes only (what the layers reach), on
+    inference tensors as in the engine (dynamo compiles per mode)."""
+    with torch.inference_mode():
+        pages = pages.clone()
+        decodes = DecodeRows(rows=torch.arange(len(pages)), pages=pages, fresh=None)
+        return gdn_module._decode(tuple(x.clone() for x in inputs), view, decodes, every_row=True)
+
+
 def test_a_compiled_decode_row_is_the_same_alone_and_in_a_batch(
     fresh_compile: CompiledOp[..., Tensor],
 ) -> None:
-    """A batch of one runs a graph of its own (dynamo specialises size one); each row's
-    output and state must not depend on which, or on its neighbours, bit for bit: cache on
-    and off put a request in different batches, and must still agree exactly."""
+    """A lone decode runs the batch graph on itself twice (one graph for every step);
+    each row's output and state must not depend on its batch or neighbours, bit for bit:
+    cache on and off put a request in different batches, and must still agree exactly."""
     arena = torch.randn(9, 2, 4, 16, 12).to(torch.bfloat16)
     pages = torch.tensor([3, 8, 1, 6])
     inputs = decode_inputs(len(pages))
-    with torch.inference_mode():
-        together = arena.clone()
-        out_together = fresh_compile(together[:, 1], pages, None, *inputs)
-        for row in range(len(pages)):
-            alone = arena.clone()
-            picked = [x[row : row + 1] for x in inputs]
-            out_alone = fresh_compile(alone[:, 1], pages[row : row + 1], None, *picked)
-            assert torch.equal(out_alone[0], out_together[row])
-            assert torch.equal(alone[pages[row]], together[pages[row]])
+    together = arena.clone()
+    out_together = decode_step(together[:, 1], pages, inputs)
+    for row in range(len(pages)):
+        alone = arena.clone()
+        picked = tuple(x[row : row + 1] for x in inputs)
+        out_alone = decode_step(alone[:, 1], pages[row : row + 1], picked)
+        assert out_alone.shape == (1, 4, 12) and torch.equal(out_alone[0], out_together[row])
+        untouched = torch.ones(len(arena), dtype=torch.bool)
+        untouched[pages[row]] = False
+        assert torch.equal(alone[pages[row]], together[pages[row]])
+        assert torch.equal(alone[untouched], arena[untouched])
     assert fresh_compile.num_compiled_calls == 1 + len(pages)
 
 
-def test_warm_up_compiles_both_batch_shapes_and_puts_the_pages_back(
+def test_warm_up_compiles_the_one_graph_and_puts_the_pages_back(
     fresh_compile: CompiledOp[..., Tensor],
 ) -> None:
-    """After gdn_module.warm_up_decode a decode of one or of many rows on that page layout
-    compiles nothing more; the pages the warm-up ran on hold their bytes again (NaN
+    """After gdn_module.warm_up_decode, decode steps of one or many rows on that page
+    layout compile nothing more; the pages the warm-up ran on hold their bytes again (NaN
     poison included)."""
     arena = torch.full((20, 2, 4, 16, 12), float("nan"), dtype=torch.bfloat16)
     arena[:, 0] = 1.0
     view = arena[:, 1]
     before = arena.clone()
     gdn_module.warm_up_decode(view)
-    assert fresh_compile.num_compiled_calls == 2
+    assert fresh_compile.num_compiled_calls == 1
     assert torch.equal(arena.view(torch.int16), before.view(torch.int16))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    with torch.inference_mode():
-        for batch in (1, 5, 17):
-            pages = torch.arange(batch)
-            fresh_compile(view, pages, None, *decode_inputs(batch))
+    for batch in (1, 5, 17):
+        decode_step(view, torch.arange(batch), decode_inputs(batch))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
-    assert fresh_compile.num_compiled_calls == 5
+    assert fresh_compile.num_compiled_calls == 4

@@ -73,7 +73,21 @@ def _decode(
     else:
         q, k, v, g, beta = (x.index_select(0, decodes.rows) for x in rows)  # [B, H, ...]
     q, k = _per_v_head(q, v.shape[1]), _per_v_head(k, v.shape[1])
-    return _decode_in_pages(view, decodes.pages, decodes.fresh, q, k, v, g, beta)
+    pages, fresh = decodes.pages, decodes.fresh
+    if not _decode_in_pages.will_compile():
+        return _decode_in_pages(view, pages, fresh, q, k, v, g, beta)
+    # One compiled graph for every step: dynamo compiles a graph per None-ness and one for
+    # a batch of size one, ~1.5 s each at start-up (~5 s on a cold cache). So the mask is
+    # always given, and a lone request runs twice over its own page (both copies write the
+    # same bytes; a row's result does not depend on its batch, tests/ops).
+    if fresh is None:
+        fresh = torch.zeros(pages.shape, dtype=torch.bool, device=pages.device)
+    if pages.numel() == 1:
+        pages, fresh, q, k, v, g, beta = (
+            x.expand(2, *x.shape[1:]).contiguous() for x in (pages, fresh, q, k, v, g, beta)
+        )
+        return _decode_in_pages(view, pages, fresh, q, k, v, g, beta)[:1]
+    return _decode_in_pages(view, pages, fresh, q, k, v, g, beta)
 
 
 def _decode_in_pages_fused(
@@ -142,28 +156,28 @@ def _decode_in_pages_eager(
 
 _decode_in_pages = CompiledOp(_decode_in_pages_fused, _decode_in_pages_eager)
 
-# rows of the warm-up's larger batch: a size no model dimension has (dynamo ties sizes that
-# are equal when it traces, and would compile again for every batch of another size)
+# rows of the warm-up's batch: a size no model dimension has (dynamo ties sizes that are
+# equal when it traces, and would compile again for every batch of another size)
 WARM_UP_BATCH = 13
 
 
 def warm_up_decode(view: Tensor) -> None:
-    """Compile the one-token step for ``view``'s dtype and page layout before serving: a
-    batch of one and a larger batch (dynamo compiles size one apart), on the view's first
-    pages, whose bytes are put back (a poisoned cache stays poisoned). No-op where the step
-    runs eagerly."""
+    """Compile the one-token step for ``view``'s dtype and page layout before serving, on
+    the view's first pages, whose bytes are put back (a poisoned cache stays poisoned).
+    No-op where the step runs eagerly."""
     if not _decode_in_pages.will_compile():
         return
     heads, k_dim, v_dim = view.shape[1:]
     with torch.inference_mode():  # as the engine's steps: dynamo compiles per mode
         pages = torch.arange(min(WARM_UP_BATCH, view.shape[0]), device=view.device)
         saved = view.index_select(0, pages)
-        for batch in sorted({pages.numel(), 1}, reverse=True):
-            q, k, v, g, beta = (  # distinct tensors: dynamo also compiles per aliasing
-                torch.zeros(batch, heads, *dims, device=view.device)
-                for dims in ((k_dim,), (k_dim,), (v_dim,), (), ())
-            )
-            _decode_in_pages(view, pages[:batch], None, q, k, v, g, beta)
+        batch = pages.numel()
+        q, k, v, g, beta = (  # distinct tensors: dynamo also compiles per aliasing
+            torch.zeros(batch, heads, *dims, device=view.device)
+            for dims in ((k_dim,), (k_dim,), (v_dim,), (), ())
+        )
+        fresh = torch.zeros(batch, dtype=torch.bool, device=view.device)
+        _decode_in_pages(view, pages, fresh, q, k, v, g, beta)
         index_copy_rows(view, pages, saved)
 
 
