@@ -70,8 +70,7 @@ class ModelRunner:
     def warm_up_compiled(self) -> None:
         """Compile the model's compiled ops (hybridkv.ops.compiled) for this cache's layout
         before serving: each layer that has them implements ``warm_up_compiled(views)``.
-        Otherwise the first decode step would wait for the compile (~2-8 s), and so would the
-        first step with one request."""
+        Otherwise the first decode step would wait for the compile (~2-8 s)."""
         for module in self.model.modules():
             warm_up = getattr(module, "warm_up_compiled", None)
             if callable(warm_up):

@@ -10,14 +10,15 @@ added this module and in docs/architecture.md).
 
 A compiled op traces on its first call and compiles C++ (CPU) for it, once per process
 for each dtype and layout; shapes are dynamic, so a new batch size or model of the same
-layout compiles nothing, except that dynamo specialises a size of one (a batch of one
-compiles again). An op that knows its layouts ahead compiles them when the engine starts
+layout compiles nothing, except that dynamo specialises a size of one and None arguments
+(the GDN decode avoids both: it runs a lone request as a batch of two and always passes
+its mask). An op that knows its layouts ahead compiles them when the engine starts
 (``warm_up`` functions beside the op, called by the layers' ``warm_up_compiled`` from the
 model runner), so serving never waits for a compile. Inductor keeps compiled code in its
 on-disk cache, so a later process on the same machine skips the C++ compile: ~1.7 s per
-graph then, ~8 s on a machine whose cache is empty. Where compiling
-cannot work (no C++ compiler, an unsupported platform) the op warns once and runs its eager
-form from then on; the two forms agree up to rounding (sums in another order).
+graph then, ~8 s on a machine whose cache is empty. Where compiling cannot work (no C++
+compiler, an unsupported platform) the op warns once and runs its eager form from then on;
+the two forms agree up to rounding (sums in another order).
 
 ``HYBRIDKV_ENFORCE_EAGER=1`` runs every op eagerly in the process; :func:`running_eagerly`
 in a block of code (the engine's ``enforce_eager``, vLLM's flag, wraps its steps in it).
