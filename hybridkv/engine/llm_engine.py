@@ -172,6 +172,10 @@ class LLMEngine:
         self.speculator = self.speculative.speculator(self.manager, self.runner)
         with running_eagerly() if config.enforce_eager else contextlib.nullcontext():
             self.runner.warm_up_compiled()  # compiled ops compile now, not while serving
+            proposer = self.speculator.proposer if self.speculator is not None else None
+            draft_warm_up = getattr(proposer, "warm_up_compiled", None)
+            if callable(draft_warm_up):  # a draft model's layers too
+                draft_warm_up()
         budget_tokens = config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         self.scheduler = Scheduler(
             self.manager, max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget_tokens

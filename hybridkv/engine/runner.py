@@ -17,7 +17,7 @@ from collections.abc import Collection, Iterable
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from hybridkv.core.ids import NULL_PAGE, ReqId
 from hybridkv.core.layout import ArenaLayout
@@ -38,6 +38,17 @@ class StepLogits(NamedTuple):
     # speculative chunk's last token and each of its drafts: 1 + num_draft_tokens rows)
     last: Tensor
     rows: dict[int, Tensor]  # chunk index -> [chunk tokens, vocab] fp32, one row per token
+
+
+def warm_up_compiled(model: nn.Module, views: CacheViews) -> None:
+    """Compile ``model``'s compiled ops (hybridkv.ops.compiled) for the layout of its cache
+    ``views`` before serving: each layer that has them implements
+    ``warm_up_compiled(views)``. Otherwise the first decode step would wait for the compile
+    (~2-8 s). The target's runner and a draft model each call it."""
+    for module in model.modules():
+        warm_up = getattr(module, "warm_up_compiled", None)
+        if callable(warm_up):
+            warm_up(views)
 
 
 class ModelRunner:
@@ -68,13 +79,8 @@ class ModelRunner:
         self.num_page_copies = 0
 
     def warm_up_compiled(self) -> None:
-        """Compile the model's compiled ops (hybridkv.ops.compiled) for this cache's layout
-        before serving: each layer that has them implements ``warm_up_compiled(views)``.
-        Otherwise the first decode step would wait for the compile (~2-8 s)."""
-        for module in self.model.modules():
-            warm_up = getattr(module, "warm_up_compiled", None)
-            if callable(warm_up):
-                warm_up(self.views)
+        """Compile the model's compiled ops for this cache's layout before serving."""
+        warm_up_compiled(self.model, self.views)
 
     @property
     def arena(self) -> Tensor:

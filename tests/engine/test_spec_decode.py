@@ -13,11 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from engine_checkpoints import ARCHITECTURES, tight_cache_gib
 from hybrid_checks import prompt
 from test_engine_equivalence import assert_all_released, assert_transformers_greedy
 
 from hybridkv import LLM, SamplingParams
+from hybridkv.ops.gated_delta_rule import paged as gdn_paged
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 OPTIONS: dict[str, Any] = {
@@ -167,6 +169,27 @@ def test_draft_model_of_another_architecture(copying_checkpoints: Any) -> None:
         assert_transformers_greedy(hf, p, tokens)
     assert on.stats()["spec_decode_num_draft_tokens"] > 0
     assert any(g["group_id"] >= len(on.engine.spec.groups) for g in on.stats()["groups"])
+    assert_all_released(on)
+
+
+def test_a_draft_model_compiles_when_the_engine_starts(copying_checkpoints: Any) -> None:
+    """A GDN draft beside a target without GDN layers: the draft's compiled decode step
+    (hybridkv.ops.compiled) compiles for its pages when the engine starts (without the
+    draft's warm-up nothing compiles there), and speculating compiles nothing more (how many
+    one-token draft forwards run depends on the speculator's cost fit, so this does not
+    count them)."""
+    _, path = copying_checkpoints("nemotron_h")
+    _, draft = copying_checkpoints("qwen3_next")
+    op = gdn_paged._decode_in_pages
+    torch._dynamo.reset()  # nothing compiled earlier in the process counts
+    op.reset()
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    on = LLM(str(path), speculative_config=spec, **OPTIONS)
+    graphs, calls = torch._dynamo.utils.counters["stats"]["unique_graphs"], op.num_compiled_calls
+    assert calls > 0  # the draft's GDN layers warmed up
+    generate(on, PROMPTS, GREEDY)
+    assert on.stats()["spec_decode_num_draft_tokens"] > 0
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert_all_released(on)
 
 

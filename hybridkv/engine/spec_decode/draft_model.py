@@ -30,7 +30,7 @@ from torch import Tensor
 from hybridkv.core.ids import ReqId
 from hybridkv.core.manager import CacheManager
 from hybridkv.core.spec import GroupSpec
-from hybridkv.engine.runner import page_tables
+from hybridkv.engine.runner import page_tables, warm_up_compiled
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.models.base import CausalLM
@@ -62,6 +62,11 @@ class DraftModelProposer:
         self.device = device
         self.max_model_len = max_model_len
         self._seen: dict[str, int] = {}  # tokens in the draft's cache, per sequence
+
+    def warm_up_compiled(self) -> None:
+        """Compile the draft model's compiled ops for its pages before serving (as the
+        target's runner does: hybridkv.engine.runner.warm_up_compiled)."""
+        warm_up_compiled(self.model, self.views)
 
     def available(self, seq: Sequence, limit: int) -> int:
         return max(0, min(limit, self.max_model_len - seq.num_tokens))
