@@ -59,7 +59,7 @@ class ForwardBatch:
     logits_indices: Tensor | None = None
     state_captures: dict[int, StateCaptures] = field(default_factory=dict)
     _state_batches: dict[int, StateBatch] = field(default_factory=dict, init=False, repr=False)
-    _attention_plans: dict[tuple[int, int, int | None], AttentionPlan] = field(
+    _attention_plans: dict[tuple[int, int, int | None, int], AttentionPlan] = field(
         default_factory=dict, init=False, repr=False
     )
     _per_step: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False)
@@ -109,10 +109,11 @@ class ForwardBatch:
         assert self.has_initial_state is not None
         return [bool(x) for x in self.has_initial_state.tolist()]
 
-    def attention_plan(self, view: AttentionView) -> AttentionPlan:
+    def attention_plan(self, view: AttentionView, decode_key_multiple: int = 1) -> AttentionPlan:
         """The paged-attention index tensors of ``view``'s group, built on the first call of
-        the step and shared by every layer of the group (same tables, block size, window)."""
-        key = (view.group_id, view.block_tokens, view.window_tokens)
+        the step and shared by every layer of the group (same tables, block size, window);
+        ``decode_key_multiple``: see :func:`~hybridkv.ops.paged_attention.build_attention_plan`."""
+        key = (view.group_id, view.block_tokens, view.window_tokens, decode_key_multiple)
         plan = self._attention_plans.get(key)
         if plan is None:
             plan = self._attention_plans[key] = build_attention_plan(
@@ -122,6 +123,7 @@ class ForwardBatch:
                 self.positions,
                 view.block_tokens,
                 view.window_tokens,
+                decode_key_multiple,
             )
         return plan
 

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.layers.rope import RopeTables, RotaryEmbedding, apply_rope, apply_rope_
-from hybridkv.ops.paged_attention import paged_attention, store_kv
+from hybridkv.ops.paged_attention import decode_key_multiple, paged_attention, store_kv
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,6 +100,6 @@ class PagedAttention(nn.Module):
     ) -> Tensor:
         """Write this step's K/V to the pages, then attend over the request's prefix."""
         view = views.attn(self.layer_index)
-        plan = batch.attention_plan(view)
+        plan = batch.attention_plan(view, decode_key_multiple(q.dtype))
         store_kv(k, v, view.key, view.value, plan)
         return paged_attention(q, view.key, view.value, plan, self.scale)

@@ -28,6 +28,7 @@ from hybridkv.layers import packed_linear
 from hybridkv.layers.gated_deltanet import GatedDeltaNet
 from hybridkv.ops import compiled
 from hybridkv.ops.gated_delta_rule import paged as gdn_paged
+from hybridkv.ops.paged_attention import batched as attention_batched
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
@@ -157,6 +158,24 @@ def test_serving_compiles_nothing_after_start_up(arch: str, checkpoints: Any) ->
         assert_transformers_greedy(hf, p, reply)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
     assert op.num_compiled_calls > calls
+
+
+def test_bf16_decodes_padded_to_a_key_multiple_keep_every_answer(
+    checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 decodes pad their key columns to a multiple of 64 (masked, re-reading a key the
+    request wrote; batched.decode_key_multiple): three requests of different lengths
+    decoding across a multiple (widths 64 -> 128), prefix caching on and the cache poisoned
+    with NaN, give the same greedy tokens as with exact widths."""
+    _, path = checkpoints("qwen3_next")
+    prompts = [{"prompt_token_ids": prompt(60 + i, 20 + 7 * i)} for i in range(3)]
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    options = {**OPTIONS, "dtype": "bfloat16"}
+    padded = LLM(str(path), **options).generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(attention_batched, "MATMUL_DECODE_KEY_MULTIPLE", 1)
+    exact = LLM(str(path), **options).generate(prompts, params, use_tqdm=False)
+    for a, b in zip(padded, exact, strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

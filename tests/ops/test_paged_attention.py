@@ -51,6 +51,7 @@ class Step:
     dtype: torch.dtype = torch.float32
     seed: int = 0
     layout: str = "apart"  # "kv" / "vk": K and V in one page of an arena, as the engine's
+    decode_key_multiple: int = 1  # the decodes' key columns padded to a multiple of this
 
     def __post_init__(self) -> None:
         gen = torch.Generator().manual_seed(self.seed)
@@ -89,7 +90,13 @@ class Step:
 
     def run_batched(self) -> Tensor:
         plan = build_attention_plan(
-            self.tables, self.starts, self.total, self.positions, B, self.window
+            self.tables,
+            self.starts,
+            self.total,
+            self.positions,
+            B,
+            self.window,
+            self.decode_key_multiple,
         )
         store_kv(self.k_new, self.v_new, self.key_cache, self.value_cache, plan)
         return paged_attention(self.query, self.key_cache, self.value_cache, plan, SCALE)
@@ -181,13 +188,16 @@ def test_batched_matches_reference_and_dense(
         torch.testing.assert_close(out[lo:hi], batched_step.dense(r), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("multiple", [1, 16, 64], ids=lambda m: f"keys_x{m}")
 @pytest.mark.parametrize("window", [None, 5], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("name", ["mixed", "decodes", "fresh_ragged", "prefix_ragged"])
-def test_bf16_batched_matches_reference(name: str, window: int | None) -> None:
+def test_bf16_batched_matches_reference(name: str, window: int | None, multiple: int) -> None:
     """In bf16 the decodes run as two matmuls around an fp32 softmax, the prefills as SDPA:
-    both within bf16 rounding of the reference and of dense fp32 attention."""
+    both within bf16 rounding of the reference and of dense fp32 attention, whatever
+    multiple the decodes' key columns are padded to (16 and 64: more columns than the
+    longest request's pages hold, in a NaN arena)."""
     computed, new = STEPS[name]
-    step = Step(computed, new, window, torch.bfloat16, seed=3)
+    step = Step(computed, new, window, torch.bfloat16, seed=3, decode_key_multiple=multiple)
     out = step.run_batched()
     ref = Step(computed, new, window, torch.bfloat16, seed=3).run_reference()
     assert torch.isfinite(out).all()
@@ -195,6 +205,25 @@ def test_bf16_batched_matches_reference(name: str, window: int | None) -> None:
     for r in range(len(new)):
         lo, hi = step.starts[r], step.starts[r + 1]
         torch.testing.assert_close(out[lo:hi].float(), step.dense(r).float(), atol=2e-2, rtol=2e-2)
+
+
+def test_matmul_decodes_keep_their_shapes_while_keys_grow() -> None:
+    """bf16 / fp16 decodes pad their key columns to a multiple of 64, so a decode batch
+    whose keys grow by one a step gives its matmuls one shape for 64 steps (oneDNN builds a
+    kernel per new shape, batched.decode_key_multiple); fp32 keeps exact widths."""
+    assert batched.decode_key_multiple(torch.float32) == 1
+    multiple = batched.decode_key_multiple(torch.bfloat16)
+    assert multiple == batched.decode_key_multiple(torch.float16) == 64
+    widths = set()
+    for length in range(130, 190):
+        step = Step([length - 1, length + 5], [1, 1], None)
+        built = build_attention_plan(
+            step.tables, step.starts, step.total, step.positions, B, None, multiple
+        )
+        assert built.decode is not None
+        widths.add(built.decode.keys.width)
+        assert int(built.decode.keys.valid.sum()) == 2 * length + 6  # padding stays masked
+    assert widths == {192, 256}
 
 
 def test_plan_uses_causal_rule_only_without_a_prefix() -> None:
@@ -284,14 +313,21 @@ def test_kv_in_one_page_gathered_together(
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("multiple", [1, 16], ids=lambda m: f"keys_x{m}")
 @pytest.mark.parametrize("window", [None, 3, 5, 64], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("name", list(STEPS))
-def test_gathers_read_only_the_requests_needed_keys(name: str, window: int | None) -> None:
+def test_gathers_read_only_the_requests_needed_keys(
+    name: str, window: int | None, multiple: int
+) -> None:
     """Every column of every gather, padding included, is a slot its request wrote and
     needs: a position in [first needed, seq_len), at its page of the block table."""
     computed, new = STEPS[name]
     step = Step(computed, new, window)
-    built = build_attention_plan(step.tables, step.starts, step.total, step.positions, B, window)
+    built = build_attention_plan(
+        step.tables, step.starts, step.total, step.positions, B, window, multiple
+    )
+    if built.decode is not None:
+        assert built.decode.keys.width % multiple == 0
     batches: list[tuple[list[int], plan.KeyGather]] = []
     decodes = [r for r, n in enumerate(new) if n == 1]
     if built.decode is not None:

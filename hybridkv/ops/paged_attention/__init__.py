@@ -12,7 +12,7 @@ here behind the same calls.
 
 from __future__ import annotations
 
-from hybridkv.ops.paged_attention.batched import paged_attention, store_kv
+from hybridkv.ops.paged_attention.batched import decode_key_multiple, paged_attention, store_kv
 from hybridkv.ops.paged_attention.naive import (
     gather_kv,
     paged_attention_reference,
@@ -24,6 +24,7 @@ from hybridkv.ops.paged_attention.plan import AttentionPlan, build_attention_pla
 __all__ = [
     "AttentionPlan",
     "build_attention_plan",
+    "decode_key_multiple",
     "gather_kv",
     "paged_attention",
     "paged_attention_reference",

@@ -21,6 +21,23 @@ from hybridkv.ops.row_copy import needs_grad, wide_rows
 from hybridkv.ops.tensor_memo import TensorMemo
 
 _MATMUL_DECODE_DTYPES = (torch.bfloat16, torch.float16)  # decodes as two matmuls (_decode)
+# their key columns come in multiples of this (decode_key_multiple)
+MATMUL_DECODE_KEY_MULTIPLE = 64
+
+
+def decode_key_multiple(dtype: torch.dtype) -> int:
+    """The multiple the decodes' key columns are padded to for queries of ``dtype``.
+
+    The bf16 / fp16 decode is two matmuls (:func:`_decode`), which oneDNN runs through a
+    kernel it generates for each new shape (~250 us each on this machine's CPU, a step's
+    first attention layer paying for both, the next ones finding it cached). A decode's
+    keys grow by one every step, so with exact widths nearly every step met a new shape:
+    64 decodes over 150 keys, one thread, the two matmuls and the softmax 294 us at a
+    shape seen before, 1,134 us at a new one. Padded to a multiple of 64 columns, a shape
+    repeats for 64 steps; the padding columns are masked (at most 63 more scores a row).
+    fp32 keeps exact widths: its SDPA is ATen's own kernel, and padding would only add work.
+    """
+    return MATMUL_DECODE_KEY_MULTIPLE if dtype in _MATMUL_DECODE_DTYPES else 1
 
 
 def store_kv(

@@ -163,6 +163,7 @@ def build_attention_plan(
     positions: Tensor,
     block_tokens: int,
     window_tokens: int | None,
+    decode_key_multiple: int = 1,
 ) -> AttentionPlan:
     """The index tensors of one step for one attention group.
 
@@ -171,6 +172,9 @@ def build_attention_plan(
         starts: R+1 row offsets; seq_lens: R cached lengths after the step.
         positions: [T] absolute position of every row.
         block_tokens: tokens per page; window_tokens: sliding window or None.
+        decode_key_multiple: the decodes' key columns rounded up to a multiple of this
+            (masked padding), so that successive steps give their matmuls the same shapes
+            (see batched.decode_key_multiple).
     """
     device = positions.device
     lens = [b - a for a, b in pairwise(starts)]
@@ -183,7 +187,9 @@ def build_attention_plan(
     return AttentionPlan(
         write_pages=block_table[token_request, positions // block_tokens],
         write_slots=positions % block_tokens,
-        decode=_decode_batch(block_table, starts, seq_lens, decodes, block_tokens, window_tokens)
+        decode=_decode_batch(
+            block_table, starts, seq_lens, decodes, block_tokens, window_tokens, decode_key_multiple
+        )
         if decodes
         else None,
         prefills=tuple(
@@ -237,11 +243,13 @@ def _key_columns(
     seq_lens: list[int],
     block_tokens: int,
     extra: list[int],
+    width_multiple: int = 1,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, tuple[Tensor, ...]]:
     """(pages [n, P], valid [n, Lk], first [n, 1]) of a :class:`KeyGather` of keys
     ``[first, seq_len)`` of each request, column 0 at position ``first // B * B``; the
     column numbers [Lk]; and ``extra``, n values per row, as [n, 1] tensors made in the
-    same host-to-device copy."""
+    same host-to-device copy. ``Lk`` is rounded up to a multiple of ``width_multiple``
+    (the extra columns are padding, not valid)."""
     device = block_table.device
     first_page = [f // block_tokens for f in firsts]
     last_page = [(s - 1) // block_tokens for s in seq_lens]
@@ -250,13 +258,15 @@ def _key_columns(
     flat = first_page + last_page + first_col + last_col + extra
     bounds = long_tensor(flat, device).view(-1, len(requests), 1).unbind(0)  # [n, 1] each
     windowed = any(firsts)
+    width = -(-(max(last_col) + 1) // width_multiple) * width_multiple
     num_pages = max(b - a for a, b in zip(first_page, last_page, strict=True)) + 1
+    num_pages = max(num_pages, -(-width // block_tokens))  # the padding columns' pages too
     page = torch.arange(num_pages, device=device)
     if windowed:
         page = page + bounds[0]
     page = torch.minimum(page, bounds[1])  # [n, P]; past its last page: the last
     pages = block_table[_rows(requests, device)].gather(1, page)
-    col = torch.arange(max(last_col) + 1, device=device)
+    col = torch.arange(width, device=device)
     valid = col <= bounds[3]  # [n, Lk]
     if windowed:
         valid &= col >= bounds[2]
@@ -277,11 +287,14 @@ def _decode_batch(
     requests: list[int],
     block_tokens: int,
     window_tokens: int | None,
+    key_multiple: int,
 ) -> DecodeBatch:
     device = block_table.device
     lens = [seq_lens[r] for r in requests]
     firsts = _first_needed([n - 1 for n in lens], window_tokens)  # sees (p - window, p]
-    pages, valid, first, _, _ = _key_columns(block_table, requests, firsts, lens, block_tokens, [])
+    pages, valid, first, _, _ = _key_columns(
+        block_table, requests, firsts, lens, block_tokens, [], key_multiple
+    )
     mask = valid.view(len(requests), 1, 1, -1)
     rows = [starts[r] for r in requests]
     return DecodeBatch(
