@@ -24,7 +24,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from hybridkv.layers.mlp import activation
-from hybridkv.layers.moe import ExpertRouting, GroupedExperts, SparseMoE, moe_forward
+from hybridkv.layers.moe import (
+    ExpertRouting,
+    GroupedExperts,
+    PaddedRouting,
+    SparseMoE,
+    combine_pairs,
+    moe_forward,
+)
 from hybridkv.models.granitemoehybrid import GraniteMoE
 from hybridkv.models.lfm2 import SigmoidRouterMoE
 from hybridkv.models.nemotron_h import NemotronHMoE, relu_squared
@@ -155,10 +162,12 @@ def test_padded_experts_equal_the_loop(dtype: torch.dtype, num_tokens: int, padd
     x = torch.randn(num_tokens, 64, generator=gen).to(dtype)
     experts = torch.rand(num_tokens, 8, generator=gen).topk(2, dim=-1).indices
     weights = torch.rand(num_tokens, 2, generator=gen).to(dtype)
-    routing = ExpertRouting(experts, 8)
-    assert routing.use_padded() is padded
-    if padded:
-        slots = routing.padded_slots
+    routing = PaddedRouting.for_batch(experts, 8)
+    assert (routing is not None) is padded
+    with torch.no_grad():
+        assert (grouped.padded_routing(x, experts) is not None) is padded
+    if routing is not None:
+        slots = routing.slots
         assert slots.unique().numel() == routing.num_rows  # one slot per row
         assert int(slots.max()) < 8 * routing.capacity
     with torch.no_grad():
@@ -175,6 +184,34 @@ def test_fp32_experts_keep_the_grouped_layout() -> None:
         assert not grouped._padded_ok(x)
         assert grouped.to(torch.bfloat16)._padded_ok(x.to(torch.bfloat16))
     assert not grouped._padded_ok(x.to(torch.bfloat16))  # autograd records: grouped path
+
+
+def test_padded_layout_is_the_sorted_one_in_pair_order() -> None:
+    """Each (token, expert) pair's slot is its expert's group start plus its rank in token
+    order, as the sorted layout places it; the capacity is the largest group."""
+    experts = torch.tensor([[2, 0], [0, 3], [3, 2], [1, 2]])
+    routing = PaddedRouting(experts, num_experts=5)
+    assert routing.capacity == 3  # expert 2: tokens 0, 2, 3
+    # pairs (t, e): (0,2) (0,0) (1,0) (1,3) (2,3) (2,2) (3,1) (3,2)
+    assert routing.slots.tolist() == [6, 0, 1, 9, 10, 7, 3, 8]
+    sorted_layout = ExpertRouting(experts, num_experts=5)
+    starts = (sorted_layout.offsets - sorted_layout.counts).tolist()
+    rank_in_sorted = torch.empty(8, dtype=torch.long)
+    rank_in_sorted[sorted_layout.order] = torch.arange(8)
+    for i, e in enumerate(experts.reshape(-1).tolist()):
+        assert routing.slots[i] == e * 3 + int(rank_in_sorted[i]) - starts[e]
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4])
+def test_pair_terms_add_in_ascending_expert_order(top_k: int) -> None:
+    """combine_pairs adds each token's terms in ascending expert order, the sorted layout's
+    (and the former loop's) order, whatever order the router listed them in."""
+    gen = torch.Generator().manual_seed(top_k)
+    experts = torch.rand(5, 6, generator=gen).argsort(dim=1)[:, :top_k]  # shuffled ids
+    rows = (torch.randn(5 * top_k, 16, generator=gen) * 1e3).to(torch.bfloat16)
+    routing = ExpertRouting(experts, num_experts=6)
+    sorted_rows = rows.index_select(0, routing.order)
+    assert torch.equal(combine_pairs(rows, experts), routing.combine(sorted_rows))
 
 
 def test_routing_layout() -> None:
