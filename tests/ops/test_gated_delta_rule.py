@@ -234,7 +234,8 @@ def test_the_compiled_decode_equals_the_eager_one(
     with torch.inference_mode():
         for run in (fresh_compile, fresh_compile.eager):
             pages_copy = arena.clone()
-            out = run(pages_copy[:, 1], pages, fresh, *inputs)
+            view_copy = pages_copy[:, 1]
+            out = run(view_copy, gdn_module._reading_alias(view_copy), pages, fresh, *inputs)
             results.append((out, pages_copy))
     (out, written), (want, want_written) = results
     assert fresh_compile.num_compiled_calls == 1  # the first ran compiled
@@ -259,9 +260,10 @@ def decode_step(view: Tensor, pages: Tensor, inputs: tuple[Tensor, ...]) -> Tens
 def test_a_compiled_decode_row_is_the_same_alone_and_in_a_batch(
     fresh_compile: CompiledOp[..., Tensor],
 ) -> None:
-    """A lone decode runs the batch graph on itself twice (one graph for every step);
-    each row's output and state must not depend on its batch or neighbours, bit for bit:
-    cache on and off put a request in different batches, and must still agree exactly."""
+    """A lone decode runs the batch graph beside an idle row on the next page (one graph
+    for every step); each row's output and state must not depend on its batch or
+    neighbours, bit for bit: cache on and off put a request in different batches, and must
+    still agree exactly. The idle row's page keeps its values."""
     arena = torch.randn(9, 2, 4, 16, 12).to(torch.bfloat16)
     pages = torch.tensor([3, 8, 1, 6])
     inputs = decode_inputs(len(pages))
@@ -277,6 +279,66 @@ def test_a_compiled_decode_row_is_the_same_alone_and_in_a_batch(
         assert torch.equal(alone[pages[row]], together[pages[row]])
         assert torch.equal(alone[untouched], arena[untouched])
     assert fresh_compile.num_compiled_calls == 1 + len(pages)
+
+
+@pytest.mark.parametrize("page_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_a_lone_decode_leaves_its_idle_partners_page_as_it_was(
+    page_dtype: torch.dtype, fresh_compile: CompiledOp[..., Tensor]
+) -> None:
+    """The idle row beside a lone decode writes its page's own values back: finite states
+    (another request's, a cached snapshot) bit for bit, NaN garbage of a free page as NaN;
+    the last page's partner is page 0. The lone request's state equals the eager step's."""
+    gen = torch.Generator().manual_seed(11)
+    arena = torch.randn(6, 2, 4, 16, 12, generator=gen).to(page_dtype)
+    arena[3, 1, 1] = float("nan")  # page 3 partly garbage
+    for page, partner in ((2, 3), (5, 0), (1, 2)):
+        inputs = tuple(x[:1] for x in decode_inputs(1, seed=page))
+        compiled = arena.clone()
+        out = decode_step(compiled[:, 1], torch.tensor([page]), inputs)
+        finite = ~compiled[:, 1][partner].isnan()
+        assert torch.equal(arena[:, 1][partner][finite], compiled[:, 1][partner][finite])
+        assert torch.equal(arena[:, 1][partner].isnan(), compiled[:, 1][partner].isnan())
+        others = torch.ones(6, dtype=torch.bool)
+        others[[page, partner]] = False
+        assert torch.equal(bits(compiled[others]), bits(arena[others]))  # NaN too
+        assert torch.equal(compiled[:, 0], arena[:, 0])
+        eager = arena.clone()
+        with torch.inference_mode():
+            view = eager[:, 1]
+            want = fresh_compile.eager(
+                view, view, torch.tensor([page]), None, *(x.clone() for x in inputs)
+            )
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            compiled[page].float(), eager[page].float(), rtol=1e-2, atol=1e-5
+        )
+    assert fresh_compile.num_compiled_calls == 3
+
+
+def test_the_reading_alias_follows_its_view() -> None:
+    """The compiled step reads a page view through another tensor over its memory: same
+    values and layout, its own storage object (so dynamo treats the two as distinct
+    inputs), remembered per view and mode, and dropped with the view."""
+    arena = torch.randn(5, 2, 3, 4, 6).to(torch.bfloat16)
+    view = arena[:, 1]
+    alias = gdn_module._reading_alias(view)
+    assert alias.data_ptr() == view.data_ptr() and alias.stride() == view.stride()
+    assert torch.equal(alias, view)
+    assert alias.untyped_storage()._cdata != view.untyped_storage()._cdata
+    view[2, 1, 0, 0] = 7.0
+    assert alias[2, 1, 0, 0] == 7.0  # the same memory
+    assert gdn_module._reading_alias(view) is alias
+    with torch.inference_mode():
+        assert gdn_module._reading_alias(view) is not alias
+    assert (view,) in gdn_module._READ_ALIASES
+    before = len(gdn_module._READ_ALIASES)
+    del view, alias
+    assert len(gdn_module._READ_ALIASES) == before - 2  # both modes' entries
+
+
+def bits(x: Tensor) -> Tensor:
+    """The bytes of ``x`` as integers (NaN compares equal to the same NaN)."""
+    return x.contiguous().view(torch.int16 if x.element_size() == 2 else torch.int32)
 
 
 def test_warm_up_compiles_the_one_graph_and_puts_the_pages_back(

@@ -15,6 +15,8 @@ A captured state after row ``j`` of a chunk that starts from state ``S``::
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 from torch import Tensor
 
@@ -31,6 +33,7 @@ from hybridkv.ops.paged_state import (
 )
 from hybridkv.ops.row_copy import index_copy_rows
 from hybridkv.ops.state_layouts import ChunkLayout, StepCaptures
+from hybridkv.ops.tensor_memo import TensorMemo
 
 BLOCK_TOKENS = 512  # padded rows per block of requests (keeps the chunk tensors in cache)
 # Rows per chunk of the chunked form. FLA's GPU kernels use 64; on the CPU 16 is faster at
@@ -75,23 +78,59 @@ def _decode(
     q, k = _per_v_head(q, v.shape[1]), _per_v_head(k, v.shape[1])
     pages, fresh = decodes.pages, decodes.fresh
     if not _decode_in_pages.will_compile():
-        return _decode_in_pages(view, pages, fresh, q, k, v, g, beta)
+        return _decode_in_pages(view, view, pages, fresh, q, k, v, g, beta)
+    source = _reading_alias(view)
     # One compiled graph for every step: dynamo compiles a graph per None-ness and one for
     # a batch of size one, ~1.5 s each at start-up (~5 s on a cold cache). So the mask is
-    # always given, and a lone request runs twice over its own page (both copies write the
-    # same bytes; a row's result does not depend on its batch, tests/ops).
+    # always given, and a lone request runs beside an idle row (_idle_partner).
     if fresh is None:
         fresh = torch.zeros(pages.shape, dtype=torch.bool, device=pages.device)
-    if pages.numel() == 1:
-        pages, fresh, q, k, v, g, beta = (
-            x.expand(2, *x.shape[1:]).contiguous() for x in (pages, fresh, q, k, v, g, beta)
-        )
-        return _decode_in_pages(view, pages, fresh, q, k, v, g, beta)[:1]
-    return _decode_in_pages(view, pages, fresh, q, k, v, g, beta)
+    if pages.numel() == 1 and view.shape[0] > 1:
+        pair = _idle_partner(view, pages, fresh, q, k, v, g, beta)
+        return _decode_in_pages(view, source, *pair)[:1]
+    return _decode_in_pages(view, source, pages, fresh, q, k, v, g, beta)
+
+
+# per page view and mode: the view over the same memory that the compiled step reads
+_READ_ALIASES: TensorMemo[Tensor] = TensorMemo()
+
+
+def _reading_alias(view: Tensor) -> Tensor:
+    """``view``'s memory as a tensor of its own storage object (CPU; elsewhere ``view``
+    itself), for the compiled step to read the states from (see
+    :func:`_decode_in_pages_fused`). Made from the address with ``torch.frombuffer``: it
+    owns nothing, and is remembered only while ``view`` (which keeps the memory) lives.
+    Views of one storage object would not do: torch 2.13 compiles aliased inputs against a
+    synthetic base whose size its guards do not check (a second arena of another size then
+    failed at run time)."""
+    if view.device.type != "cpu" or view.numel() == 0:
+        return view
+    storage = view.untyped_storage()
+
+    def derive() -> Tensor:
+        memory = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
+        flat = torch.frombuffer(memory, dtype=torch.uint8).view(view.dtype)
+        return flat.as_strided(view.shape, view.stride(), view.storage_offset())
+
+    key = (torch.is_inference_mode_enabled(), storage.data_ptr(), storage.nbytes())
+    return _READ_ALIASES.get((view,), derive, key)
+
+
+def _idle_partner(view: Tensor, pages: Tensor, fresh: Tensor, *rows: Tensor) -> tuple[Tensor, ...]:
+    """A lone decode's inputs as a batch of two (the compiled graph's shape): the second
+    row runs on the next page as an identity step (decay exp(0) = 1; beta, k, q and v 0),
+    so it writes that page's values back unchanged (NaN garbage in a free page stays
+    NaN). It must not share the lone request's page: the compiled step updates each page
+    in place, and a page listed twice would be updated twice."""
+    other = (pages + 1) % view.shape[0]
+    paired = [torch.cat([pages, other]), torch.cat([fresh, torch.zeros_like(fresh)])]
+    paired += [torch.cat([x, torch.zeros_like(x)]) for x in rows]
+    return tuple(paired)
 
 
 def _decode_in_pages_fused(
     view: Tensor,
+    source: Tensor,
     pages: Tensor,
     fresh: Tensor | None,
     q: Tensor,
@@ -101,6 +140,15 @@ def _decode_in_pages_fused(
     beta: Tensor,
 ) -> Tensor:
     """The one-token recurrence on the states in ``view[pages]``, updated there.
+
+    The states are read through ``source``, ``view``'s memory as another tensor
+    (:func:`_reading_alias`; ``view`` itself works too). Read through the tensor it
+    writes, inductor cannot rule out a page listed twice (whose second update would read
+    the first's result), so it writes the new states to a temporary buffer and copies
+    them into the pages in another pass; read through ``source`` it writes them in place:
+    64 requests of the small Qwen3-Next, six layers' pages in turn, one thread, 870 -> 650
+    us a layer, the same bits. So each row must have its own page: the engine's decodes
+    do, and a lone request is paired with an idle row on another page (:func:`_idle_partner`).
 
     q, k [B, Hv, Dk], v [B, Hv, Dv], g (log decay), beta [B, Hv], fp32 and contiguous;
     ``fresh`` [B] bool or None: start from zeros (masked, never multiplied: NaN garbage in
@@ -114,7 +162,7 @@ def _decode_in_pages_fused(
     layer (cProfile), a decode step 36 -> 32 ms (medians of 3 interleaved W1 runs each);
     run eagerly, this form would take ~6 ms.
     """
-    state = view[pages].float()  # [B, Hv, Dk, Dv]
+    state = source[pages].float()  # [B, Hv, Dk, Dv]
     if fresh is not None:
         state = state.masked_fill(fresh[:, None, None, None], 0.0)
     decay = g.exp()[..., None]  # [B, Hv, 1]
@@ -130,6 +178,7 @@ def _decode_in_pages_fused(
 
 def _decode_in_pages_eager(
     view: Tensor,
+    source: Tensor,
     pages: Tensor,
     fresh: Tensor | None,
     q: Tensor,
@@ -141,7 +190,7 @@ def _decode_in_pages_eager(
     """:func:`_decode_in_pages_fused` for eager torch: the states read once into an fp32
     workspace buffer, updated there in place in transformers' order, written back once."""
     batch, heads, k_dim = k.shape
-    state = read_states(view, pages, fresh, "gdn.state")  # [B, Hv, Dk, Dv]
+    state = read_states(source, pages, fresh, "gdn.state")  # [B, Hv, Dk, Dv]
     state.mul_(g.exp()[..., None, None])
     flat = state.view(batch * heads, k_dim, -1)  # [B*Hv, Dk, Dv]
     kv_mem = torch.bmm(k.view(batch * heads, 1, k_dim), flat)  # [B*Hv, 1, Dv]
@@ -177,7 +226,7 @@ def warm_up_decode(view: Tensor) -> None:
             for dims in ((k_dim,), (k_dim,), (v_dim,), (), ())
         )
         fresh = torch.zeros(batch, dtype=torch.bool, device=view.device)
-        _decode_in_pages(view, pages, fresh, q, k, v, g, beta)
+        _decode_in_pages(view, _reading_alias(view), pages, fresh, q, k, v, g, beta)
         index_copy_rows(view, pages, saved)
 
 
