@@ -178,6 +178,39 @@ def test_bf16_decodes_padded_to_a_key_multiple_keep_every_answer(
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
+def test_parallel_samples_decode_each_on_its_own_state(
+    arch: str, checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """n = 3 greedy samples of one prompt decode together in the compiled GDN step, which
+    updates each page in place and so needs every row's state on a page of its own (a
+    shared page would be updated three times a step): no decode batch lists a page twice,
+    and each sample equals the n = 1 reply and transformers'."""
+    hf, path = checkpoints(arch)
+    op = gdn_paged._decode_in_pages
+    batches: list[list[int]] = []
+
+    class Checked:  # the op, recording each batch's pages
+        def __getattr__(self, name: str) -> Any:
+            return getattr(op, name)
+
+        def __call__(self, view: Any, source: Any, pages: Any, *rest: Any) -> Any:
+            batches.append(pages.tolist())
+            return op(view, source, pages, *rest)
+
+    monkeypatch.setattr(gdn_paged, "_decode_in_pages", Checked())
+    llm = LLM(str(path), **DEFAULTS)
+    ids = prompt(77, 30)
+    single = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0]
+    params = SamplingParams(n=3, max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    [out] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+    reply = single.outputs[0].token_ids
+    assert [c.token_ids for c in out.outputs] == [reply] * 3
+    assert_transformers_greedy(hf, ids, reply)
+    assert any(len(b) >= 3 for b in batches)  # the samples decoded together
+    assert all(len(set(b)) == len(b) for b in batches)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_users_behind_a_system_prompt_hit_its_branch_point(arch: str, checkpoints: Any) -> None:
     """Default snapshots, a 100-token system prompt (issue 12: three users got 0/0/0 cached
