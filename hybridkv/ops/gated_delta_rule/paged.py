@@ -79,16 +79,63 @@ def _decode(
     pages, fresh = decodes.pages, decodes.fresh
     if not _decode_in_pages.will_compile():
         return _decode_in_pages(view, view, pages, fresh, q, k, v, g, beta)
-    source = _reading_alias(view)
     # One compiled graph for every step: dynamo compiles a graph per None-ness and one for
     # a batch of size one, ~1.5 s each at start-up (~5 s on a cold cache). So the mask is
-    # always given, and a lone request runs beside an idle row (_idle_partner).
+    # always given, and a lone request runs beside an idle row (_decode_alone).
     if fresh is None:
         fresh = torch.zeros(pages.shape, dtype=torch.bool, device=pages.device)
-    if pages.numel() == 1 and view.shape[0] > 1:
-        pair = _idle_partner(view, pages, fresh, q, k, v, g, beta)
-        return _decode_in_pages(view, source, *pair)[:1]
-    return _decode_in_pages(view, source, pages, fresh, q, k, v, g, beta)
+    if pages.numel() == 1:
+        return _decode_alone(view, pages, fresh, q, k, v, g, beta)
+    return _decode_in_pages(view, _reading_alias(view), pages, fresh, q, k, v, g, beta)
+
+
+def _decode_alone(view: Tensor, pages: Tensor, fresh: Tensor, *rows: Tensor) -> Tensor:
+    """A lone decode as the compiled graph's batch of two, on two scratch pages laid out
+    as ``view``'s (same strides and offset, so the same graph runs): its state copied to
+    the first, an idle row (zero inputs, a fresh state) on the second, the new state
+    copied back. Not on the pages of ``view``: the step updates each page in place, so the
+    request's own page listed twice would be updated twice, and any other page of the
+    view may be another group's memory (its bytes must not even be rewritten: the view
+    spans the whole arena). Same kernel, same bits as in a batch."""
+    scratch = _lone_scratch(view)
+    scratch[:1].copy_(view.index_select(0, pages))
+    both, idle = _LONE_PAGES.get((scratch,), lambda: _lone_layout(scratch))
+    paired = [torch.cat([fresh, idle]), *(torch.cat([x, torch.zeros_like(x)]) for x in rows)]
+    out = _decode_in_pages(scratch, _reading_alias(scratch), both, *paired)[:1]
+    index_copy_rows(view, pages, scratch[:1])
+    return out
+
+
+# per page view and mode: two pages laid out as the view's, for a lone decode
+_LONE_SCRATCH: TensorMemo[Tensor] = TensorMemo()
+# per scratch: (its page ids [0, 1], the idle row's fresh flag [True])
+_LONE_PAGES: TensorMemo[tuple[Tensor, Tensor]] = TensorMemo()
+
+
+def _lone_scratch(view: Tensor) -> Tensor:
+    """Two pages with ``view``'s strides and storage offset (remembered per view). Its
+    memory spans a page of the arena and a state, but only the two states are ever
+    written: left empty, the rest is never touched (not resident). The idle row's state is
+    masked as fresh, so whatever its slot holds is never read into a result."""
+
+    def derive() -> Tensor:
+        shape = (2, *view.shape[1:])
+        extent = view.storage_offset() + 1
+        extent += sum((n - 1) * st for n, st in zip(shape, view.stride(), strict=True))
+        # built as the engine's views are (an as_strided view of a byte arena seen in the
+        # dtype), an inference tensor or not as the view is: dynamo guards on both
+        with torch.inference_mode(view.is_inference()):
+            arena = torch.empty(extent * view.element_size(), dtype=torch.uint8, device=view.device)
+            return torch.as_strided(
+                arena.view(view.dtype), shape, view.stride(), view.storage_offset()
+            )
+
+    return _LONE_SCRATCH.get((view,), derive)
+
+
+def _lone_layout(scratch: Tensor) -> tuple[Tensor, Tensor]:
+    both = torch.arange(2, device=scratch.device)
+    return both, torch.ones(1, dtype=torch.bool, device=scratch.device)
 
 
 # per page view and mode: the view over the same memory that the compiled step reads
@@ -103,9 +150,9 @@ def _reading_alias(view: Tensor) -> Tensor:
     Views of one storage object would not do: torch 2.13 compiles aliased inputs against a
     synthetic base whose size its guards do not check (a second arena of another size then
     failed at run time)."""
-    if view.device.type != "cpu" or view.numel() == 0:
-        return view
     storage = view.untyped_storage()
+    if view.device.type != "cpu" or view.numel() == 0 or storage.nbytes() % view.element_size():
+        return view
 
     def derive() -> Tensor:
         memory = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
@@ -114,18 +161,6 @@ def _reading_alias(view: Tensor) -> Tensor:
 
     key = (torch.is_inference_mode_enabled(), storage.data_ptr(), storage.nbytes())
     return _READ_ALIASES.get((view,), derive, key)
-
-
-def _idle_partner(view: Tensor, pages: Tensor, fresh: Tensor, *rows: Tensor) -> tuple[Tensor, ...]:
-    """A lone decode's inputs as a batch of two (the compiled graph's shape): the second
-    row runs on the next page as an identity step (decay exp(0) = 1; beta, k, q and v 0),
-    so it writes that page's values back unchanged (NaN garbage in a free page stays
-    NaN). It must not share the lone request's page: the compiled step updates each page
-    in place, and a page listed twice would be updated twice."""
-    other = (pages + 1) % view.shape[0]
-    paired = [torch.cat([pages, other]), torch.cat([fresh, torch.zeros_like(fresh)])]
-    paired += [torch.cat([x, torch.zeros_like(x)]) for x in rows]
-    return tuple(paired)
 
 
 def _decode_in_pages_fused(
@@ -148,7 +183,7 @@ def _decode_in_pages_fused(
     them into the pages in another pass; read through ``source`` it writes them in place:
     64 requests of the small Qwen3-Next, six layers' pages in turn, one thread, 870 -> 650
     us a layer, the same bits. So each row must have its own page: the engine's decodes
-    do, and a lone request is paired with an idle row on another page (:func:`_idle_partner`).
+    do, and a lone request runs on scratch pages beside an idle row (:func:`_decode_alone`).
 
     q, k [B, Hv, Dk], v [B, Hv, Dv], g (log decay), beta [B, Hv], fp32 and contiguous;
     ``fresh`` [B] bool or None: start from zeros (masked, never multiplied: NaN garbage in
