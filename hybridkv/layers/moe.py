@@ -277,7 +277,7 @@ class GroupedExperts(nn.Module):
         """The padded layout for ``x`` [T, H] routed to ``experts`` [T, k], or None where
         the sorted layout runs: packed or fp32 weights, biases, autograd, or a batch that
         pads badly (module doc)."""
-        if self.packed is not None or not self._padded_ok(x):
+        if not self._padded_ok(x):
             return None
         return PaddedRouting.for_batch(experts, self.num_experts)
 

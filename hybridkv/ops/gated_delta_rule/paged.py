@@ -97,28 +97,27 @@ def _decode_alone(view: Tensor, pages: Tensor, fresh: Tensor, *rows: Tensor) -> 
     request's own page listed twice would be updated twice, and any other page of the
     view may be another group's memory (its bytes must not even be rewritten: the view
     spans the whole arena). Same kernel, same bits as in a batch."""
-    scratch = _lone_scratch(view)
+    scratch, both, idle = _lone_scratch(view)
     scratch[:1].copy_(view.index_select(0, pages))
-    both, idle = _LONE_PAGES.get((scratch,), lambda: _lone_layout(scratch))
     paired = [torch.cat([fresh, idle]), *(torch.cat([x, torch.zeros_like(x)]) for x in rows)]
     out = _decode_in_pages(scratch, _reading_alias(scratch), both, *paired)[:1]
     index_copy_rows(view, pages, scratch[:1])
     return out
 
 
-# per page view and mode: two pages laid out as the view's, for a lone decode
-_LONE_SCRATCH: TensorMemo[Tensor] = TensorMemo()
-# per scratch: (its page ids [0, 1], the idle row's fresh flag [True])
-_LONE_PAGES: TensorMemo[tuple[Tensor, Tensor]] = TensorMemo()
+# per page view: (two pages laid out as the view's, their ids [0, 1], the idle row's
+# fresh flag [True]), for a lone decode
+_LONE_SCRATCH: TensorMemo[tuple[Tensor, Tensor, Tensor]] = TensorMemo()
 
 
-def _lone_scratch(view: Tensor) -> Tensor:
-    """Two pages with ``view``'s strides and storage offset (remembered per view). Its
+def _lone_scratch(view: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Two pages with ``view``'s strides and storage offset, their page ids and the idle
+    row's fresh flag (remembered per view). Its
     memory spans a page of the arena and a state, but only the two states are ever
     written: left empty, the rest is never touched (not resident). The idle row's state is
     masked as fresh, so whatever its slot holds is never read into a result."""
 
-    def derive() -> Tensor:
+    def derive() -> tuple[Tensor, Tensor, Tensor]:
         shape = (2, *view.shape[1:])
         extent = view.storage_offset() + 1
         extent += sum((n - 1) * st for n, st in zip(shape, view.stride(), strict=True))
@@ -126,16 +125,13 @@ def _lone_scratch(view: Tensor) -> Tensor:
         # dtype), an inference tensor or not as the view is: dynamo guards on both
         with torch.inference_mode(view.is_inference()):
             arena = torch.empty(extent * view.element_size(), dtype=torch.uint8, device=view.device)
-            return torch.as_strided(
+            scratch = torch.as_strided(
                 arena.view(view.dtype), shape, view.stride(), view.storage_offset()
             )
+        both = torch.arange(2, device=view.device)
+        return scratch, both, torch.ones(1, dtype=torch.bool, device=view.device)
 
     return _LONE_SCRATCH.get((view,), derive)
-
-
-def _lone_layout(scratch: Tensor) -> tuple[Tensor, Tensor]:
-    both = torch.arange(2, device=scratch.device)
-    return both, torch.ones(1, dtype=torch.bool, device=scratch.device)
 
 
 # per page view and mode: the view over the same memory that the compiled step reads
