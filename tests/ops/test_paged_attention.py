@@ -207,6 +207,46 @@ def test_bf16_batched_matches_reference(name: str, window: int | None, multiple:
         torch.testing.assert_close(out[lo:hi].float(), step.dense(r).float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("layout", ["apart", "kv"])
+def test_masked_bf16_prefills_run_as_matmuls_in_groups(
+    layout: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bf16 prefill chunks with a mask (after cached prefixes, padded to one batch) run as
+    two matmuls around an fp32 softmax (batched._masked_prefill), not SDPA: within bf16
+    rounding of dense fp32 attention; the same bits whether every request's scores are
+    computed at once or one request at a time (the workspace bound); and a request whose
+    scores exceed the bound takes SDPA, within rounding of the matmuls."""
+    computed, new = STEPS["prefix_ragged"]  # four chunks after prefixes, no decode
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls: list[int] = []
+
+    def sdpa_spy(*args: object, **kwargs: object) -> Tensor:
+        calls.append(1)
+        return real_sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batched.F, "scaled_dot_product_attention", sdpa_spy)
+
+    def run() -> tuple[Step, Tensor]:
+        step = Step(computed, new, None, torch.bfloat16, seed=5, layout=layout)
+        return step, step.run_batched()
+
+    step, together = run()
+    assert not calls
+    assert torch.isfinite(together).all()
+    for r in range(len(new)):
+        lo, hi = step.starts[r], step.starts[r + 1]
+        dense = step.dense(r).float()
+        torch.testing.assert_close(together[lo:hi].float(), dense, atol=2e-2, rtol=2e-2)
+    widest = max(-(-t // B) for t in step.total) * B  # the batch's key columns
+    one_request = HQ * max(new) * widest
+    monkeypatch.setattr(batched, "MATMUL_PREFILL_SCORES", one_request)
+    assert torch.equal(run()[1], together) and not calls  # one group per request
+    monkeypatch.setattr(batched, "MATMUL_PREFILL_SCORES", one_request - 1)
+    _, sdpa = run()
+    assert calls
+    torch.testing.assert_close(sdpa, together, atol=2e-2, rtol=2e-2)
+
+
 def test_matmul_decodes_keep_their_shapes_while_keys_grow() -> None:
     """bf16 / fp16 decodes pad their key columns to a multiple of 64, so a decode batch
     whose keys grow by one a step gives its matmuls one shape for 64 steps (oneDNN builds a

@@ -19,6 +19,7 @@ from torch import Tensor
 from hybridkv.ops.paged_attention.plan import AttentionPlan, DecodeBatch, KeyGather, PrefillBatch
 from hybridkv.ops.row_copy import needs_grad, wide_rows
 from hybridkv.ops.tensor_memo import TensorMemo
+from hybridkv.ops.workspace import WORKSPACE
 
 _MATMUL_DECODE_DTYPES = (torch.bfloat16, torch.float16)  # decodes as two matmuls (_decode)
 # their key columns come in multiples of this (decode_key_multiple)
@@ -233,14 +234,75 @@ def _decode(
 def _prefill(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, batch: PrefillBatch, scale: float
 ) -> Tensor:
-    """[Tp, Hq, Dv] for the prefill rows, one padded SDPA call (GQA by ``enable_gqa``)."""
+    """[Tp, Hq, Dv] for the prefill rows: one padded SDPA call (GQA by ``enable_gqa``), or
+    in bf16 / fp16 with a mask, matmuls (:func:`_masked_prefill`)."""
     rows = batch.query_rows
     q = query[rows][None] if isinstance(rows, slice) else query[rows]  # [R, Lq, Hq, D]
     q = q.transpose(1, 2)  # [R, Hq, Lq, D]
-    k, v = _gather_kv(key_cache, value_cache, batch.keys, query.dtype, head_major=False)
-    bias = batch.keys.bias(query.dtype)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias, is_causal=bias is None, scale=scale, enable_gqa=True
-    )  # [R, Hq, Lq, Dv]
+    num_heads, q_len, num_keys = q.shape[1], q.shape[2], batch.keys.valid.shape[1]
+    if (
+        q.dtype in _MATMUL_DECODE_DTYPES
+        and batch.keys.mask is not None
+        and num_heads * q_len * num_keys <= MATMUL_PREFILL_SCORES
+        and not needs_grad(q)
+    ):
+        k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=True)
+        bias = batch.keys.bias(torch.float32)
+        assert bias is not None
+        out = _masked_prefill(q, k, v, bias, scale)
+    else:
+        k, v = _gather_kv(key_cache, value_cache, batch.keys, query.dtype, head_major=False)
+        bias = batch.keys.bias(query.dtype)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, is_causal=bias is None, scale=scale, enable_gqa=True
+        )  # [R, Hq, Lq, Dv]
     flat = out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[-1])  # [R * Lq, Hq, Dv]
     return flat if batch.out_src is None else flat[batch.out_src]
+
+
+# scores (heads x queries x keys) of one request above which a masked bf16 / fp16 prefill
+# takes SDPA, and the most a group of requests computes at once (_masked_prefill)
+MATMUL_PREFILL_SCORES = 1 << 21
+
+
+def _masked_prefill(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """Masked attention of bf16 / fp16 prefill chunks as two matmuls around an fp32
+    softmax, as the decodes (:func:`_decode`) and transformers' eager attention compute it:
+    [R, Hq, Lq, Dv].
+
+    A masked prefill is a chunk after a cached prefix (or a padded batch): its queries are
+    few beside its keys, where SDPA's CPU flash kernel runs far below the matmuls' rate (it
+    cannot skip masked blocks either). The small Qwen3-Next's heads (8 of 64 over 2 KV
+    heads), bf16, one thread, fresh inputs, median of 5: 31 chunks of 50 tokens after a
+    1,502-token prefix (issue 13's W3) 70.6 -> 39.5 ms a layer, 8 x 69 after ~500 (W2's
+    follow-up turns) 9.1 -> 5.1 ms, 1 x 124 after 288 1.46 -> 0.92 ms; a chunk from
+    position 0 keeps SDPA's causal path, which skips the masked half (1,550 tokens: 35 vs
+    70 ms as matmuls). The scores of a group of requests live in workspace buffers of at
+    most :data:`MATMUL_PREFILL_SCORES` elements: freshly allocated, their pages cost more
+    to fault in than the softmax over them. Rounding: the probabilities are rounded to the
+    query dtype before the second matmul (transformers' eager attention does the same),
+    where SDPA keeps them in fp32.
+
+    q [R, Hq, Lq, D]; k, v [R, Hkv, Lk, D | Dv] contiguous (head-major); bias [R, 1, Lq, Lk]
+    additive fp32 (every query row keeps at least one key).
+    """
+    num_reqs, num_heads, q_len, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    rows = num_heads // num_kv_heads * q_len  # a KV head's query rows: [rep, Lq] flattened
+    out = q.new_empty(num_reqs, num_kv_heads, rows, v.shape[-1])
+    group = max(1, MATMUL_PREFILL_SCORES // (num_heads * q_len * num_keys))
+    grouped = q.reshape(num_reqs, num_kv_heads, rows, head_dim)  # h = g * rep + i
+    for first in range(0, num_reqs, group):
+        reqs = slice(first, min(num_reqs, first + group))
+        shape = (reqs.stop - first, num_kv_heads, rows, num_keys)
+        scores = WORKSPACE.get("attn.prefill.scores", shape, q.dtype, q.device)
+        torch.matmul(grouped[reqs], k[reqs].transpose(-1, -2), out=scores)
+        probs = WORKSPACE.get("attn.prefill.probs", shape, torch.float32, q.device)
+        probs.copy_(scores)
+        heads = probs.view(-1, num_heads, q_len, num_keys)
+        heads.mul_(scale).add_(bias[reqs])
+        heads.sub_(heads.amax(dim=-1, keepdim=True)).exp_()  # softmax, in place
+        heads.div_(heads.sum(dim=-1, keepdim=True))
+        scores.copy_(probs)
+        torch.matmul(scores, v[reqs], out=out[reqs])
+    return out.view(num_reqs, num_heads, q_len, -1)
