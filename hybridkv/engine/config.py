@@ -120,7 +120,7 @@ class EngineConfig:
             off by default.
         enforce_eager: run every op eagerly (vLLM's flag): no torch.compile of the few
             ops that compile (hybridkv.ops.compiled), so start-up skips their compile
-            (~1.7 s; ~8 s on a machine whose compile cache is empty), and decode steps are
+            (~1.6 s; ~8 s on a machine whose compile cache is empty), and decode steps are
             slower.
         tensor_parallel_size: accepted for vLLM command lines; only 1 (one device) runs.
         generation_config: default sampling parameters: 'auto' reads the checkpoint's

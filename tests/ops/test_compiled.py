@@ -151,3 +151,23 @@ def test_a_platform_torch_compile_refuses_runs_eagerly(
         assert torch.equal(op(x, s), scaled_sum_eager(x, s))
         assert torch.equal(op(x, s), scaled_sum_eager(x, s))
     assert calls == [1] and not op.will_compile() and len(caplog.records) == 1
+
+
+@pytest.mark.parametrize("chosen", [None, True, False], ids=lambda c: f"user_{c}")
+def test_ops_compile_trusting_the_cpu_flags_unless_the_user_chose(
+    chosen: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every op compiles with ``cpp.vec_isa_ok`` (inductor's dry-compile probe of each
+    vector ISA skipped: ~1 s of start-up), unless ``TORCHINDUCTOR_VEC_ISA_OK`` set it."""
+    from torch._inductor import config as inductor_config
+
+    seen: list[object] = []
+
+    def fake_compile(fn: Callable[..., Tensor], **kwargs: object) -> Callable[..., Tensor]:
+        seen.append(kwargs.get("options"))
+        return fn
+
+    monkeypatch.setattr(compiled_module.torch, "compile", fake_compile)
+    with inductor_config.patch({"cpp.vec_isa_ok": chosen}):
+        CompiledOp(scaled_sum)(torch.randn(3, 4), torch.randn(4))
+    assert seen == [{"cpp.vec_isa_ok": True} if chosen is None else {}]

@@ -235,16 +235,18 @@ def _prefill(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, batch: PrefillBatch, scale: float
 ) -> Tensor:
     """[Tp, Hq, Dv] for the prefill rows: one padded SDPA call (GQA by ``enable_gqa``), or
-    in bf16 / fp16 with a mask, matmuls (:func:`_masked_prefill`)."""
+    in bf16 with a mask, matmuls (:func:`_masked_prefill`). fp16 keeps SDPA: its unscaled
+    scores would overflow past 65,504 where SDPA's stay finite. Autograd (of the query or
+    the cache) keeps SDPA too: the matmuls write into workspace buffers."""
     rows = batch.query_rows
     q = query[rows][None] if isinstance(rows, slice) else query[rows]  # [R, Lq, Hq, D]
     q = q.transpose(1, 2)  # [R, Hq, Lq, D]
     num_heads, q_len, num_keys = q.shape[1], q.shape[2], batch.keys.valid.shape[1]
     if (
-        q.dtype in _MATMUL_DECODE_DTYPES
+        q.dtype == torch.bfloat16
         and batch.keys.mask is not None
         and num_heads * q_len * num_keys <= MATMUL_PREFILL_SCORES
-        and not needs_grad(q)
+        and not any(needs_grad(x) for x in (q, key_cache, value_cache))
     ):
         k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=True)
         bias = batch.keys.bias(torch.float32)
@@ -260,13 +262,13 @@ def _prefill(
     return flat if batch.out_src is None else flat[batch.out_src]
 
 
-# scores (heads x queries x keys) of one request above which a masked bf16 / fp16 prefill
+# scores (heads x queries x keys) of one request above which a masked bf16 prefill
 # takes SDPA, and the most a group of requests computes at once (_masked_prefill)
 MATMUL_PREFILL_SCORES = 1 << 21
 
 
 def _masked_prefill(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
-    """Masked attention of bf16 / fp16 prefill chunks as two matmuls around an fp32
+    """Masked attention of bf16 prefill chunks as two matmuls around an fp32
     softmax, as the decodes (:func:`_decode`) and transformers' eager attention compute it:
     [R, Hq, Lq, Dv].
 
