@@ -252,33 +252,34 @@ def test_masked_prefills_keep_sdpa_for_a_tracked_cache_and_for_fp16() -> None:
     prefix whose new keys autograd tracks (the cache then requires grad; the matmuls write
     into workspace buffers, which autograd refuses) attends and back-propagates; an fp16
     chunk whose q.k passes fp16's range (65,504) before the scale stays finite (SDPA),
-    within rounding of the reference."""
+    within rounding of the reference; and so do fp16 decodes (the same overflow made them
+    NaN since they ran as matmuls, before a2d0cfa too)."""
     step = Step([6], [3], None, torch.bfloat16, seed=2)
     step.k_new.requires_grad_(True)
     out = step.run_batched()
     out.float().sum().backward()
     assert step.k_new.grad is not None and torch.isfinite(step.k_new.grad).all()
-    computed, new = STEPS["prefix_ragged"]
-    loud, ref_step = (Step(computed, new, None, torch.float16, seed=4) for _ in range(2))
-    for each in (loud, ref_step):  # |q.k| ~ 200 * 200 * D: past fp16's range
-        each.query.mul_(200.0)
-        for k in each.full_k:
-            k.mul_(200.0)
-        each.k_new.mul_(200.0)
-        for p in range(each.key_cache.shape[0]):
-            each.key_cache[p].mul_(200.0)  # NaN pages stay NaN
-    out = loud.run_batched()
-    assert torch.isfinite(out).all()
-    torch.testing.assert_close(out, ref_step.run_reference(), atol=2e-2, rtol=2e-2)
+    for name in ("prefix_ragged", "decodes"):
+        computed, new = STEPS[name]
+        loud, ref_step = (Step(computed, new, None, torch.float16, seed=4) for _ in range(2))
+        for each in (loud, ref_step):  # |q.k| ~ 200 * 200 * D: past fp16's range
+            each.query.mul_(200.0)
+            each.k_new.mul_(200.0)
+            for p in range(each.key_cache.shape[0]):
+                each.key_cache[p].mul_(200.0)  # NaN pages stay NaN
+        out = loud.run_batched()
+        assert torch.isfinite(out).all()
+        torch.testing.assert_close(out, ref_step.run_reference(), atol=2e-2, rtol=2e-2)
 
 
 def test_matmul_decodes_keep_their_shapes_while_keys_grow() -> None:
-    """bf16 / fp16 decodes pad their key columns to a multiple of 64, so a decode batch
-    whose keys grow by one a step gives its matmuls one shape for 64 steps (oneDNN builds a
-    kernel per new shape, batched.decode_key_multiple); fp32 keeps exact widths."""
+    """bf16 decodes pad their key columns to a multiple of 64, so a decode batch whose keys
+    grow by one a step gives its matmuls one shape for 64 steps (oneDNN builds a kernel per
+    new shape, batched.decode_key_multiple); fp32 and fp16 (SDPA) keep exact widths."""
     assert batched.decode_key_multiple(torch.float32) == 1
+    assert batched.decode_key_multiple(torch.float16) == 1
     multiple = batched.decode_key_multiple(torch.bfloat16)
-    assert multiple == batched.decode_key_multiple(torch.float16) == 64
+    assert multiple == 64
     widths = set()
     for length in range(130, 190):
         step = Step([length - 1, length + 5], [1, 1], None)

@@ -21,7 +21,9 @@ from hybridkv.ops.row_copy import needs_grad, wide_rows
 from hybridkv.ops.tensor_memo import TensorMemo
 from hybridkv.ops.workspace import WORKSPACE
 
-_MATMUL_DECODE_DTYPES = (torch.bfloat16, torch.float16)  # decodes as two matmuls (_decode)
+# decodes as two matmuls (_decode). Not fp16: its unscaled q.k overflows past 65,504 (a NaN
+# row), where SDPA accumulates in fp32
+_MATMUL_DECODE_DTYPES = (torch.bfloat16,)
 # their key columns come in multiples of this (decode_key_multiple)
 MATMUL_DECODE_KEY_MULTIPLE = 64
 
@@ -29,14 +31,15 @@ MATMUL_DECODE_KEY_MULTIPLE = 64
 def decode_key_multiple(dtype: torch.dtype) -> int:
     """The multiple the decodes' key columns are padded to for queries of ``dtype``.
 
-    The bf16 / fp16 decode is two matmuls (:func:`_decode`), which oneDNN runs through a
+    The bf16 decode is two matmuls (:func:`_decode`), which oneDNN runs through a
     kernel it generates for each new shape (~250 us each on this machine's CPU, a step's
     first attention layer paying for both, the next ones finding it cached). A decode's
     keys grow by one every step, so with exact widths nearly every step met a new shape:
     64 decodes over 150 keys, one thread, the two matmuls and the softmax 294 us at a
     shape seen before, 1,134 us at a new one. Padded to a multiple of 64 columns, a shape
     repeats for 64 steps; the padding columns are masked (at most 63 more scores a row).
-    fp32 keeps exact widths: its SDPA is ATen's own kernel, and padding would only add work.
+    fp32 and fp16 keep exact widths: their SDPA is ATen's own kernel, and padding would only
+    add work.
     """
     return MATMUL_DECODE_KEY_MULTIPLE if dtype in _MATMUL_DECODE_DTYPES else 1
 
@@ -205,13 +208,14 @@ def _decode(
 ) -> Tensor:
     """[N, Hq, Dv]: the Hq/Hkv query heads of a KV head ride in the query-length axis.
 
-    In bf16 / fp16 the scores and the weighted sum are two batched matmuls in the query
+    In bf16 the scores and the weighted sum are two batched matmuls in the query
     dtype around an fp32 softmax, as transformers' eager attention computes them, over
     keys gathered head-major (:func:`_gather_kv`). SDPA's CPU flash kernel is built for
     long query blocks: on contiguous inputs (64 requests x 192 keys, 8 heads of 64, one
     thread) 789 us against 273 us for the matmuls; 8 x 700: 331 vs 153 us; 64 x 1024: 5.9
     vs 3.0 ms. In the W1 decode step of issue 13 (64 requests, the small Qwen3-Next) the two
-    attention layers took 5.3 -> 4.4 ms. fp32 keeps SDPA (its matmul form is not faster).
+    attention layers took 5.3 -> 4.4 ms. fp32 keeps SDPA (its matmul form is not faster), and
+    so does fp16 (its unscaled scores would overflow).
     """
     num_kv_heads = key_cache.shape[2]
     q = query if batch.all_rows else query[batch.rows]  # [N, Hq, D]
@@ -243,7 +247,7 @@ def _prefill(
     q = q.transpose(1, 2)  # [R, Hq, Lq, D]
     num_heads, q_len, num_keys = q.shape[1], q.shape[2], batch.keys.valid.shape[1]
     if (
-        q.dtype == torch.bfloat16
+        q.dtype in _MATMUL_DECODE_DTYPES
         and batch.keys.mask is not None
         and num_heads * q_len * num_keys <= MATMUL_PREFILL_SCORES
         and not any(needs_grad(x) for x in (q, key_cache, value_cache))
