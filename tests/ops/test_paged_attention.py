@@ -212,7 +212,7 @@ def test_masked_bf16_prefills_run_as_matmuls_in_groups(
     layout: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """bf16 prefill chunks with a mask (after cached prefixes, padded to one batch) run as
-    two matmuls around an fp32 softmax (batched._masked_prefill), not SDPA: within bf16
+    two matmuls around an fp32 softmax (batched._matmul_attention), not SDPA: within bf16
     rounding of dense fp32 attention; the same bits whether every request's scores are
     computed at once or one request at a time (the workspace bound); and a request whose
     scores exceed the bound takes SDPA, within rounding of the matmuls."""

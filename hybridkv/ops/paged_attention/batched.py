@@ -209,8 +209,9 @@ def _decode(
     """[N, Hq, Dv]: the Hq/Hkv query heads of a KV head ride in the query-length axis.
 
     In bf16 the scores and the weighted sum are two batched matmuls in the query
-    dtype around an fp32 softmax, as transformers' eager attention computes them, over
-    keys gathered head-major (:func:`_gather_kv`). SDPA's CPU flash kernel is built for
+    dtype around an fp32 softmax (:func:`_matmul_attention`, each request a one-query
+    prefill), as transformers' eager attention computes them, over keys gathered
+    head-major (:func:`_gather_kv`). SDPA's CPU flash kernel is built for
     long query blocks: on contiguous inputs (64 requests x 192 keys, 8 heads of 64, one
     thread) 789 us against 273 us for the matmuls; 8 x 700: 331 vs 153 us; 64 x 1024: 5.9
     vs 3.0 ms. In the W1 decode step of issue 13 (64 requests, the small Qwen3-Next) the two
@@ -220,26 +221,32 @@ def _decode(
     num_kv_heads = key_cache.shape[2]
     q = query if batch.all_rows else query[batch.rows]  # [N, Hq, D]
     num, num_heads, head_dim = q.shape
-    q = q.view(num, num_kv_heads, num_heads // num_kv_heads, head_dim)  # h = g * rep + i
-    if q.dtype in _MATMUL_DECODE_DTYPES and not needs_grad(q):
+    if _takes_matmuls(q, key_cache, value_cache):  # a one-query prefill, as matmuls
         k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=True)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float()  # [N, Hkv, rep, Lk]
         bias = batch.keys.bias(torch.float32)
         assert bias is not None  # decodes always have a mask
-        probs = scores.mul_(scale).add_(bias).softmax(dim=-1).to(q.dtype)
-        out = torch.matmul(probs, v)
-    else:
-        k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=False)
-        bias = batch.keys.bias(q.dtype)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+        out = _matmul_attention(q.view(num, num_heads, 1, head_dim), k, v, bias, scale)
+        return out.view(num, num_heads, -1)
+    q = q.view(num, num_kv_heads, num_heads // num_kv_heads, head_dim)  # h = g * rep + i
+    k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=False)
+    bias = batch.keys.bias(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
     return out.reshape(num, num_heads, -1)  # [N, Hkv, rep, Dv] -> [N, Hq, Dv]
+
+
+def _takes_matmuls(q: Tensor, key_cache: Tensor, value_cache: Tensor) -> bool:
+    """Whether attention of ``q`` runs as :func:`_matmul_attention`: bf16 and no autograd
+    (its matmuls write into workspace buffers, which autograd refuses)."""
+    return q.dtype in _MATMUL_DECODE_DTYPES and not any(
+        needs_grad(x) for x in (q, key_cache, value_cache)
+    )
 
 
 def _prefill(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, batch: PrefillBatch, scale: float
 ) -> Tensor:
     """[Tp, Hq, Dv] for the prefill rows: one padded SDPA call (GQA by ``enable_gqa``), or
-    in bf16 with a mask, matmuls (:func:`_masked_prefill`). fp16 keeps SDPA: its unscaled
+    in bf16 with a mask, matmuls (:func:`_matmul_attention`). fp16 keeps SDPA: its unscaled
     scores would overflow past 65,504 where SDPA's stay finite. Autograd (of the query or
     the cache) keeps SDPA too: the matmuls write into workspace buffers."""
     rows = batch.query_rows
@@ -247,15 +254,14 @@ def _prefill(
     q = q.transpose(1, 2)  # [R, Hq, Lq, D]
     num_heads, q_len, num_keys = q.shape[1], q.shape[2], batch.keys.valid.shape[1]
     if (
-        q.dtype in _MATMUL_DECODE_DTYPES
-        and batch.keys.mask is not None
+        batch.keys.mask is not None
         and num_heads * q_len * num_keys <= MATMUL_PREFILL_SCORES
-        and not any(needs_grad(x) for x in (q, key_cache, value_cache))
+        and _takes_matmuls(q, key_cache, value_cache)
     ):
         k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=True)
         bias = batch.keys.bias(torch.float32)
         assert bias is not None
-        out = _masked_prefill(q, k, v, bias, scale)
+        out = _matmul_attention(q, k, v, bias, scale)
     else:
         k, v = _gather_kv(key_cache, value_cache, batch.keys, query.dtype, head_major=False)
         bias = batch.keys.bias(query.dtype)
@@ -267,14 +273,14 @@ def _prefill(
 
 
 # scores (heads x queries x keys) of one request above which a masked bf16 prefill
-# takes SDPA, and the most a group of requests computes at once (_masked_prefill)
+# takes SDPA, and the most a group of requests computes at once (_matmul_attention)
 MATMUL_PREFILL_SCORES = 1 << 21
 
 
-def _masked_prefill(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
-    """Masked attention of bf16 prefill chunks as two matmuls around an fp32
-    softmax, as the decodes (:func:`_decode`) and transformers' eager attention compute it:
-    [R, Hq, Lq, Dv].
+def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
+    """Masked bf16 attention as two matmuls around an fp32 softmax, as transformers' eager
+    attention computes it: [R, Hq, Lq, Dv]. The decodes (:func:`_decode`, one query a
+    request) and the masked prefill batches (:func:`_prefill`) run it.
 
     A masked prefill is a chunk after a cached prefix (or a padded batch): its queries are
     few beside its keys, where SDPA's CPU flash kernel runs far below the matmuls' rate (it
