@@ -246,18 +246,14 @@ def _prefill(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, batch: PrefillBatch, scale: float
 ) -> Tensor:
     """[Tp, Hq, Dv] for the prefill rows: one padded SDPA call (GQA by ``enable_gqa``), or
-    in bf16 with a mask, matmuls (:func:`_matmul_attention`). fp16 keeps SDPA: its unscaled
-    scores would overflow past 65,504 where SDPA's stay finite. Autograd (of the query or
-    the cache) keeps SDPA too: the matmuls write into workspace buffers."""
+    in bf16 with a mask (after a cached prefix), matmuls (:func:`_matmul_attention`). fp16
+    keeps SDPA: its unscaled scores would overflow past 65,504 where SDPA's stay finite.
+    Autograd (of the query or the cache) keeps SDPA too: the matmuls write into workspace
+    buffers."""
     rows = batch.query_rows
     q = query[rows][None] if isinstance(rows, slice) else query[rows]  # [R, Lq, Hq, D]
     q = q.transpose(1, 2)  # [R, Hq, Lq, D]
-    num_heads, q_len, num_keys = q.shape[1], q.shape[2], batch.keys.valid.shape[1]
-    if (
-        batch.keys.mask is not None
-        and num_heads * q_len * num_keys <= MATMUL_PREFILL_SCORES
-        and _takes_matmuls(q, key_cache, value_cache)
-    ):
+    if batch.keys.mask is not None and _takes_matmuls(q, key_cache, value_cache):
         k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=True)
         bias = batch.keys.bias(torch.float32)
         assert bias is not None
@@ -272,9 +268,8 @@ def _prefill(
     return flat if batch.out_src is None else flat[batch.out_src]
 
 
-# scores (heads x queries x keys) of one request above which a masked bf16 prefill
-# takes SDPA, and the most a group of requests computes at once (_matmul_attention)
-MATMUL_PREFILL_SCORES = 1 << 21
+# the most scores (heads x queries x keys) _matmul_attention computes at once
+MATMUL_SCORES = 1 << 21
 
 
 def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
@@ -289,34 +284,53 @@ def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: floa
     1,502-token prefix (issue 13's W3) 71 -> 34 ms a layer, 8 x 69 after ~500 (W2's
     follow-up turns) 9.4 -> 4.2 ms, 1 x 124 after 288 1.5 -> 0.6 ms; a chunk from
     position 0 keeps SDPA's causal path, which skips the masked half (1,550 tokens: 35 vs
-    70 ms as matmuls). The scores of a group of requests live in workspace buffers of at
-    most :data:`MATMUL_PREFILL_SCORES` elements each: freshly allocated, their pages cost
-    more to fault in than the softmax over them. The softmax is ATen's one-kernel softmax
-    written into another buffer (in place in four passes: 5.1 instead of 4.2 ms at W2's
-    shape, 42 instead of 34 ms at W3's). Rounding: the probabilities are rounded to the
-    query dtype before the second matmul (transformers' eager attention does the same),
-    where SDPA keeps them in fp32.
+    70 ms as matmuls). Long chunks after long prefixes gain as much (one request: 2,048
+    tokens after 4,096 290 -> 131 ms; 512 after 8,192 with 16 heads 208 -> 104 ms). The
+    scores live in workspace buffers of at most :data:`MATMUL_SCORES` elements each, filled
+    by a group of requests or, for a request with more scores, a block of its queries at a
+    time: freshly allocated, their pages cost more to fault in than the softmax over them.
+    The softmax is ATen's one-kernel softmax written into another buffer (in place in four
+    passes: 5.1 instead of 4.2 ms at W2's shape, 42 instead of 34 ms at W3's). Rounding:
+    the probabilities are rounded to the query dtype before the second matmul
+    (transformers' eager attention does the same), where SDPA keeps them in fp32. Every
+    query row's result is the same bits however the rows are grouped.
 
     q [R, Hq, Lq, D]; k, v [R, Hkv, Lk, D | Dv] contiguous (head-major); bias [R, 1, Lq, Lk]
     additive fp32 (every query row keeps at least one key).
     """
-    num_reqs, num_heads, q_len, head_dim = q.shape
-    num_kv_heads, num_keys = k.shape[1], k.shape[2]
-    rows = num_heads // num_kv_heads * q_len  # a KV head's query rows: [rep, Lq] flattened
-    out = q.new_empty(num_reqs, num_kv_heads, rows, v.shape[-1])
-    group = max(1, MATMUL_PREFILL_SCORES // (num_heads * q_len * num_keys))
-    grouped = q.reshape(num_reqs, num_kv_heads, rows, head_dim)  # h = g * rep + i
+    num_reqs, num_heads, q_len, _ = q.shape
+    per_query = num_heads * k.shape[2]  # scores of one query position
+    block = max(1, min(q_len, MATMUL_SCORES // per_query))  # query positions at once
+    group = max(1, MATMUL_SCORES // (per_query * q_len)) if block == q_len else 1
+    out = q.new_empty(num_reqs, num_heads, q_len, v.shape[-1])
     for first in range(0, num_reqs, group):
         reqs = slice(first, min(num_reqs, first + group))
-        shape = (reqs.stop - first, num_kv_heads, rows, num_keys)
-        scores = WORKSPACE.get("attn.prefill.scores", shape, q.dtype, q.device)
-        torch.matmul(grouped[reqs], k[reqs].transpose(-1, -2), out=scores)
-        logits = WORKSPACE.get("attn.prefill.logits", shape, torch.float32, q.device)
-        logits.copy_(scores)
-        heads = logits.view(-1, num_heads, q_len, num_keys)
-        heads.mul_(scale).add_(bias[reqs])
-        probs = WORKSPACE.get("attn.prefill.probs", shape, torch.float32, q.device)
-        torch.ops.aten._softmax.out(heads, -1, False, out=probs.view(heads.shape))
-        scores.copy_(probs)
-        torch.matmul(scores, v[reqs], out=out[reqs])
-    return out.view(num_reqs, num_heads, q_len, -1)
+        for start in range(0, q_len, block):
+            cols = slice(start, min(q_len, start + block))
+            _attend(
+                q[reqs, :, cols], k[reqs], v[reqs], bias[reqs, :, cols], scale, out[reqs, :, cols]
+            )
+    return out
+
+
+def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, out: Tensor) -> None:
+    """One group of :func:`_matmul_attention` into ``out`` [n, Hq, Lb, Dv]: the Hq/Hkv query
+    heads of a KV head ride in the query-length axis of one matmul per KV head."""
+    num, num_heads, q_len, head_dim = q.shape
+    num_kv_heads, num_keys = k.shape[1], k.shape[2]
+    rows = num_heads // num_kv_heads * q_len  # a KV head's query rows: [rep, Lb] flattened
+    shape = (num, num_kv_heads, rows, num_keys)
+    scores = WORKSPACE.get("attn.matmul.scores", shape, q.dtype, q.device)
+    grouped = q.reshape(num, num_kv_heads, rows, head_dim)  # h = g * rep + i
+    torch.matmul(grouped, k.transpose(-1, -2), out=scores)
+    logits = WORKSPACE.get("attn.matmul.logits", shape, torch.float32, q.device)
+    logits.copy_(scores)
+    heads = logits.view(num, num_heads, q_len, num_keys)
+    heads.mul_(scale).add_(bias)
+    probs = WORKSPACE.get("attn.matmul.probs", shape, torch.float32, q.device)
+    torch.ops.aten._softmax.out(heads, -1, False, out=probs.view(heads.shape))
+    scores.copy_(probs)
+    if out.is_contiguous():  # every query of the group: written in place
+        torch.matmul(scores, v, out=out.view(num, num_kv_heads, rows, -1))
+    else:
+        out.copy_(torch.matmul(scores, v).view(num, num_heads, q_len, -1))
