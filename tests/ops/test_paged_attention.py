@@ -244,6 +244,46 @@ def test_masked_bf16_prefills_run_as_matmuls_in_groups(
     assert not calls
 
 
+def test_fresh_bf16_prefills_run_as_matmuls_over_the_causal_triangle(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """bf16 chunks that all start at position 0 (no mask: the causal rule) run as the same
+    matmuls over a causal triangle, within bf16 rounding of dense fp32 attention, the same
+    bits split by query block; a batch whose triangle (queries x keys) passes the bound
+    keeps SDPA's causal kernel, within rounding of the matmuls."""
+    computed, new = STEPS["fresh_ragged"]
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+    calls: list[int] = []
+
+    def sdpa_spy(*args: object, **kwargs: object) -> Tensor:
+        calls.append(1)
+        return real_sdpa(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(batched.F, "scaled_dot_product_attention", sdpa_spy)
+
+    def run() -> tuple[Step, Tensor]:
+        step = Step(computed, new, None, torch.bfloat16, seed=6)
+        return step, step.run_batched()
+
+    step, together = run()
+    assert not calls and torch.isfinite(together).all()
+    for r in range(len(new)):
+        lo, hi = step.starts[r], step.starts[r + 1]
+        dense = step.dense(r).float()
+        torch.testing.assert_close(together[lo:hi].float(), dense, atol=2e-2, rtol=2e-2)
+    built = build_attention_plan(step.tables, step.starts, step.total, step.positions, B, None)
+    rows = [p.query_rows for p in built.prefills]  # [R, Lq], or a slice of one chunk
+    q_lens = [r.shape[-1] if isinstance(r, Tensor) else r.stop - r.start for r in rows]
+    # the largest batch's queries x keys
+    triangle = max(n * p.keys.width for n, p in zip(q_lens, built.prefills, strict=True))
+    monkeypatch.setattr(batched, "MATMUL_SCORES", triangle)  # blocks of a few queries
+    assert torch.equal(run()[1], together) and not calls
+    monkeypatch.setattr(batched, "MATMUL_SCORES", triangle - 1)
+    _, sdpa = run()
+    assert calls
+    torch.testing.assert_close(sdpa, together, atol=2e-2, rtol=2e-2)
+
+
 def test_masked_prefills_keep_sdpa_for_a_tracked_cache_and_for_fp16() -> None:
     """Regressions of the matmul prefill (a2d0cfa, found in review): a bf16 chunk after a
     prefix whose new keys autograd tracks (the cache then requires grad; the matmuls write

@@ -245,18 +245,25 @@ def _takes_matmuls(q: Tensor, key_cache: Tensor, value_cache: Tensor) -> bool:
 def _prefill(
     query: Tensor, key_cache: Tensor, value_cache: Tensor, batch: PrefillBatch, scale: float
 ) -> Tensor:
-    """[Tp, Hq, Dv] for the prefill rows: one padded SDPA call (GQA by ``enable_gqa``), or
-    in bf16 with a mask (after a cached prefix), matmuls (:func:`_matmul_attention`). fp16
-    keeps SDPA: its unscaled scores would overflow past 65,504 where SDPA's stay finite.
-    Autograd (of the query or the cache) keeps SDPA too: the matmuls write into workspace
-    buffers."""
+    """[Tp, Hq, Dv] for the prefill rows: in bf16, matmuls (:func:`_matmul_attention`) over
+    the batch's mask, or for chunks that all start at position 0 over the causal triangle
+    (unless one triangle of queries x keys would pass :data:`MATMUL_SCORES`: a long first
+    chunk keeps SDPA's causal kernel, as fast there and with no triangle to hold); else one
+    padded SDPA call (GQA by ``enable_gqa``). fp16 keeps SDPA: its unscaled scores would
+    overflow past 65,504 where SDPA's stay finite. Autograd (of the query or the cache)
+    keeps SDPA too: the matmuls write into workspace buffers."""
     rows = batch.query_rows
     q = query[rows][None] if isinstance(rows, slice) else query[rows]  # [R, Lq, Hq, D]
     q = q.transpose(1, 2)  # [R, Hq, Lq, D]
-    if batch.keys.mask is not None and _takes_matmuls(q, key_cache, value_cache):
+    q_len = q.shape[2]
+    causal = batch.keys.mask is None  # every chunk starts at position 0
+    if _takes_matmuls(q, key_cache, value_cache) and (
+        not causal or q_len * batch.keys.width <= MATMUL_SCORES
+    ):
         k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=True)
         bias = batch.keys.bias(torch.float32)
-        assert bias is not None
+        if bias is None:
+            bias = batch.keys.causal_bias(torch.float32, q_len)
         out = _matmul_attention(q, k, v, bias, scale)
     else:
         k, v = _gather_kv(key_cache, value_cache, batch.keys, query.dtype, head_major=False)
@@ -277,15 +284,15 @@ def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: floa
     attention computes it: [R, Hq, Lq, Dv]. The decodes (:func:`_decode`, one query a
     request) and the masked prefill batches (:func:`_prefill`) run it.
 
-    A masked prefill is a chunk after a cached prefix (or a padded batch): its queries are
-    few beside its keys, where SDPA's CPU flash kernel runs far below the matmuls' rate (it
-    cannot skip masked blocks either). The small Qwen3-Next's heads (8 of 64 over 2 KV
-    heads), bf16, one thread, fresh inputs, median of 5: 31 chunks of 50 tokens after a
-    1,502-token prefix (issue 13's W3) 71 -> 34 ms a layer, 8 x 69 after ~500 (W2's
-    follow-up turns) 9.4 -> 4.2 ms, 1 x 124 after 288 1.5 -> 0.6 ms; a chunk from
-    position 0 keeps SDPA's causal path, which skips the masked half (1,550 tokens: 35 vs
-    70 ms as matmuls). Long chunks after long prefixes gain as much (one request: 2,048
-    tokens after 4,096 290 -> 131 ms; 512 after 8,192 with 16 heads 208 -> 104 ms). The
+    SDPA's CPU flash kernel runs far below the matmuls' rate on the engine's shapes, and
+    cannot skip masked blocks. The small Qwen3-Next's heads (8 of 64 over 2 KV heads),
+    bf16, one thread, fresh inputs, median of 3-5, SDPA -> matmuls a layer: after cached
+    prefixes, 31 chunks of 50 tokens after 1,502 (issue 13's W3) 71 -> 34 ms, 8 x 69 after
+    ~500 (W2's follow-up turns) 9.4 -> 4.2 ms, 1 x 124 after 288 1.5 -> 0.6 ms, 2,048
+    after 4,096 290 -> 131 ms, 512 after 8,192 with 16 heads 208 -> 104 ms; from position
+    0 (SDPA's causal kernel, which skips the masked half, against the full square here),
+    32 x 128 (W1's prefill) 15.7 -> 6.5 ms, 64 x 64 9.3 -> 3.6 ms, 2 x 1,024 34.8 -> 23.7
+    ms, 1 x 2,048 57.5 -> 48.0 ms, 1 x 4,096 206 -> 194 ms. The
     scores live in workspace buffers of at most :data:`MATMUL_SCORES` elements each, filled
     by a group of requests or, for a request with more scores, a block of its queries at a
     time: freshly allocated, their pages cost more to fault in than the softmax over them.
