@@ -207,16 +207,9 @@ def test_bf16_batched_matches_reference(name: str, window: int | None, multiple:
         torch.testing.assert_close(out[lo:hi].float(), step.dense(r).float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("layout", ["apart", "kv"])
-def test_masked_bf16_prefills_run_as_matmuls_in_groups(
-    layout: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """bf16 prefill chunks with a mask (after cached prefixes, padded to one batch) run as
-    two matmuls around an fp32 softmax (batched._matmul_attention), never SDPA: within bf16
-    rounding of dense fp32 attention, and the same bits whether every request's scores are
-    computed at once, one request at a time, or a block of one request's queries at a time
-    (the workspace bound)."""
-    computed, new = STEPS["prefix_ragged"]  # four chunks after prefixes, no decode
+@pytest.fixture
+def sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per SDPA call the paged attention makes (the real SDPA runs)."""
     real_sdpa = torch.nn.functional.scaled_dot_product_attention
     calls: list[int] = []
 
@@ -225,6 +218,19 @@ def test_masked_bf16_prefills_run_as_matmuls_in_groups(
         return real_sdpa(*args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(batched.F, "scaled_dot_product_attention", sdpa_spy)
+    return calls
+
+
+@pytest.mark.parametrize("layout", ["apart", "kv"])
+def test_masked_bf16_prefills_run_as_matmuls_in_groups(
+    layout: str, monkeypatch: pytest.MonkeyPatch, sdpa_calls: list[int]
+) -> None:
+    """bf16 prefill chunks with a mask (after cached prefixes, padded to one batch) run as
+    two matmuls around an fp32 softmax (batched._matmul_attention), never SDPA: within bf16
+    rounding of dense fp32 attention, and the same bits whether every request's scores are
+    computed at once, one request at a time, or a block of one request's queries at a time
+    (the workspace bound)."""
+    computed, new = STEPS["prefix_ragged"]  # four chunks after prefixes, no decode
 
     def run() -> tuple[Step, Tensor]:
         step = Step(computed, new, None, torch.bfloat16, seed=5, layout=layout)
@@ -241,32 +247,24 @@ def test_masked_bf16_prefills_run_as_matmuls_in_groups(
     for bound in (one_request, one_request - 1, HQ * widest, 1):  # requests, query blocks
         monkeypatch.setattr(batched, "MATMUL_SCORES", bound)
         assert torch.equal(run()[1], together)
-    assert not calls
+    assert not sdpa_calls
 
 
 def test_fresh_bf16_prefills_run_as_matmuls_over_the_causal_triangle(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, sdpa_calls: list[int]
 ) -> None:
     """bf16 chunks that all start at position 0 (no mask: the causal rule) run as the same
     matmuls over a causal triangle, within bf16 rounding of dense fp32 attention, the same
     bits split by query block; a batch whose triangle (queries x keys) passes the bound
     keeps SDPA's causal kernel, within rounding of the matmuls."""
     computed, new = STEPS["fresh_ragged"]
-    real_sdpa = torch.nn.functional.scaled_dot_product_attention
-    calls: list[int] = []
-
-    def sdpa_spy(*args: object, **kwargs: object) -> Tensor:
-        calls.append(1)
-        return real_sdpa(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(batched.F, "scaled_dot_product_attention", sdpa_spy)
 
     def run() -> tuple[Step, Tensor]:
         step = Step(computed, new, None, torch.bfloat16, seed=6)
         return step, step.run_batched()
 
     step, together = run()
-    assert not calls and torch.isfinite(together).all()
+    assert not sdpa_calls and torch.isfinite(together).all()
     for r in range(len(new)):
         lo, hi = step.starts[r], step.starts[r + 1]
         dense = step.dense(r).float()
@@ -277,10 +275,10 @@ def test_fresh_bf16_prefills_run_as_matmuls_over_the_causal_triangle(
     # the largest batch's queries x keys
     triangle = max(n * p.keys.width for n, p in zip(q_lens, built.prefills, strict=True))
     monkeypatch.setattr(batched, "MATMUL_SCORES", triangle)  # blocks of a few queries
-    assert torch.equal(run()[1], together) and not calls
+    assert torch.equal(run()[1], together) and not sdpa_calls
     monkeypatch.setattr(batched, "MATMUL_SCORES", triangle - 1)
     _, sdpa = run()
-    assert calls
+    assert sdpa_calls
     torch.testing.assert_close(sdpa, together, atol=2e-2, rtol=2e-2)
 
 
