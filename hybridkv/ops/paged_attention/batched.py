@@ -21,10 +21,10 @@ from hybridkv.ops.row_copy import needs_grad, wide_rows
 from hybridkv.ops.tensor_memo import TensorMemo
 from hybridkv.ops.workspace import WORKSPACE
 
-# decodes as two matmuls (_decode). Not fp16: its unscaled q.k overflows past 65,504 (a NaN
-# row), where SDPA accumulates in fp32
-_MATMUL_DECODE_DTYPES = (torch.bfloat16,)
-# their key columns come in multiples of this (decode_key_multiple)
+# attention as two matmuls (_matmul_attention: the decodes and the prefills). Not fp16:
+# its unscaled q.k overflows past 65,504 (a NaN row), where SDPA accumulates in fp32
+_MATMUL_DTYPES = (torch.bfloat16,)
+# the decodes' key columns come in multiples of this (decode_key_multiple)
 MATMUL_DECODE_KEY_MULTIPLE = 64
 
 
@@ -41,7 +41,7 @@ def decode_key_multiple(dtype: torch.dtype) -> int:
     fp32 and fp16 keep exact widths: their SDPA is ATen's own kernel, and padding would only
     add work.
     """
-    return MATMUL_DECODE_KEY_MULTIPLE if dtype in _MATMUL_DECODE_DTYPES else 1
+    return MATMUL_DECODE_KEY_MULTIPLE if dtype in _MATMUL_DTYPES else 1
 
 
 def store_kv(
@@ -237,9 +237,7 @@ def _decode(
 def _takes_matmuls(q: Tensor, key_cache: Tensor, value_cache: Tensor) -> bool:
     """Whether attention of ``q`` runs as :func:`_matmul_attention`: bf16 and no autograd
     (its matmuls write into workspace buffers, which autograd refuses)."""
-    return q.dtype in _MATMUL_DECODE_DTYPES and not any(
-        needs_grad(x) for x in (q, key_cache, value_cache)
-    )
+    return q.dtype in _MATMUL_DTYPES and not any(needs_grad(x) for x in (q, key_cache, value_cache))
 
 
 def _prefill(
@@ -282,7 +280,8 @@ MATMUL_SCORES = 1 << 21
 def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """Masked bf16 attention as two matmuls around an fp32 softmax, as transformers' eager
     attention computes it: [R, Hq, Lq, Dv]. The decodes (:func:`_decode`, one query a
-    request) and the masked prefill batches (:func:`_prefill`) run it.
+    request) and the prefill batches (:func:`_prefill`, over their mask or the causal
+    triangle) run it.
 
     SDPA's CPU flash kernel runs far below the matmuls' rate on the engine's shapes, and
     cannot skip masked blocks. The small Qwen3-Next's heads (8 of 64 over 2 KV heads),

@@ -67,7 +67,10 @@ class KeyGather:
     _index: dict[tuple[int, tuple[int, ...], int], Tensor] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
-    _bias: dict[tuple[torch.dtype, int], Tensor] = field(
+    _bias: dict[torch.dtype, Tensor] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _causal: dict[tuple[torch.dtype, int], Tensor] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -109,22 +112,22 @@ class KeyGather:
         SDPA would convert it at every call; None for the causal rule."""
         if self.mask is None:
             return None
-        bias = self._bias.get((dtype, 0))
+        bias = self._bias.get(dtype)
         if bias is None:
             zero = torch.zeros((), dtype=dtype, device=self.mask.device)
-            bias = self._bias[dtype, 0] = torch.where(self.mask, zero, float("-inf"))
+            bias = self._bias[dtype] = torch.where(self.mask, zero, float("-inf"))
         return bias
 
     def causal_bias(self, dtype: torch.dtype, q_len: int) -> Tensor:
         """The causal rule of chunks that start at position 0 as an additive mask [n, 1,
         Lq, Lk] in ``dtype`` (an expanded view of one [Lq, Lk] triangle: query ``t`` keeps
         columns ``0..t``), for attention that takes masks only; built once per step."""
-        triangle = self._bias.get((dtype, q_len))
+        triangle = self._causal.get((dtype, q_len))
         if triangle is None:
             rows = torch.arange(q_len, device=self.valid.device)[:, None]
             cols = torch.arange(self.width, device=self.valid.device)[None]
             zero = torch.zeros((), dtype=dtype, device=self.valid.device)
-            triangle = self._bias[dtype, q_len] = torch.where(cols <= rows, zero, float("-inf"))
+            triangle = self._causal[dtype, q_len] = torch.where(cols <= rows, zero, float("-inf"))
         return triangle.expand(self.valid.shape[0], 1, q_len, self.width)
 
 
