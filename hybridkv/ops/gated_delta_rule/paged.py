@@ -325,17 +325,34 @@ def _chunks(
 
     state = read_states(view, layout.pages, layout.fresh, "gdn.state")  # [Rp, Hv, Dk, Dv]
     out = torch.empty(num_chunks, heads, size, v_dim, device=q.device)
-    for (first, count), captures in zip(layout.steps, layout.captures, strict=True):
-        part, start = slice(first, first + count), state[:count]
-        v_new = torch.matmul(w[part], start).neg_().add_(u[part])  # [n, Hv, C, Dv]
-        torch.matmul(q[part], start, out=out[part])
-        out[part] += intra[part] @ v_new
+    # each step's operands cut once, as [n * Hv, ...] matrices: a short prefill runs a
+    # step per 16 tokens, and slicing and reshaping every operand in every step cost more
+    # ops than its products
+    counts = [count for _, count in layout.steps]
+    step_rows = [count * heads for count in counts]
+    per_step = zip(
+        layout.steps,
+        layout.captures,
+        w.view(-1, size, k_dim).split(step_rows),
+        u.view(-1, size, v_dim).split(step_rows),
+        q.view(-1, size, k_dim).split(step_rows),
+        intra.view(-1, size, size).split(step_rows),
+        k_end.transpose(-1, -2).reshape(-1, k_dim, size).split(step_rows),
+        end_decay.split(counts),
+        out.view(-1, size, v_dim).split(step_rows),
+        strict=True,
+    )
+    for (first, count), captures, w_s, u_s, q_s, intra_s, k_end_s, end_s, out_s in per_step:
+        start = state[:count]
+        flat = start.view(-1, k_dim, v_dim)
+        v_new = torch.baddbmm(u_s, w_s, flat, alpha=-1)  # u - w S: [n * Hv, C, Dv]
+        torch.bmm(q_s, flat, out=out_s)
+        out_s.baddbmm_(intra_s, v_new)
         if captures is not None and not captures.at_chunk_end:
-            _capture(view, captures, first, start, k_g, v_new, decay, cum)
-        start.mul_(end_decay[part])
-        start.view(-1, k_dim, v_dim).baddbmm_(
-            k_end[part].transpose(-1, -2).reshape(-1, k_dim, size), v_new.view(-1, size, v_dim)
-        )
+            v_grouped = v_new.view(count, heads, size, v_dim)
+            _capture(view, captures, first, start, k_g, v_grouped, decay, cum)
+        start.mul_(end_s)
+        flat.baddbmm_(k_end_s, v_new)
         if captures is not None and captures.at_chunk_end:  # the states carried on
             write_states(view, captures.pages, start[captures.index], "gdn.capture")
     write_states(view, layout.pages, state, "gdn.state")
