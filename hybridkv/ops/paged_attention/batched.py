@@ -223,7 +223,7 @@ def _decode(
     num, num_heads, head_dim = q.shape
     if _takes_matmuls(q, key_cache, value_cache):  # a one-query prefill, as matmuls
         k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=True)
-        bias = batch.keys.bias(torch.float32)
+        bias = batch.keys.bias(q.dtype)  # 0 / -inf: exact in bf16, added in fp32
         assert bias is not None  # decodes always have a mask
         out = _matmul_attention(q.view(num, num_heads, 1, head_dim), k, v, bias, scale)
         return out.view(num, num_heads, -1)
@@ -259,9 +259,9 @@ def _prefill(
         not causal or q_len * batch.keys.width <= MATMUL_SCORES
     ):
         k, v = _gather_kv(key_cache, value_cache, batch.keys, q.dtype, head_major=True)
-        bias = batch.keys.bias(torch.float32)
+        bias = batch.keys.bias(q.dtype)  # 0 / -inf: exact in bf16, added in fp32
         if bias is None:
-            bias = batch.keys.causal_bias(torch.float32, q_len)
+            bias = batch.keys.causal_bias(q.dtype, q_len)
         out = _matmul_attention(q, k, v, bias, scale)
     else:
         k, v = _gather_kv(key_cache, value_cache, batch.keys, query.dtype, head_major=False)
@@ -295,14 +295,17 @@ def _matmul_attention(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: floa
     scores live in workspace buffers of at most :data:`MATMUL_SCORES` elements each, filled
     by a group of requests or, for a request with more scores, a block of its queries at a
     time: freshly allocated, their pages cost more to fault in than the softmax over them.
-    The softmax is ATen's one-kernel softmax written into another buffer (in place in four
-    passes: 5.1 instead of 4.2 ms at W2's shape, 42 instead of 34 ms at W3's). Rounding:
+    The softmax is ATen's one-kernel softmax, run in place on the fp32 logits (its kernel
+    reads a row before writing it: the same bits as into another buffer, one 8 MB buffer
+    less; as four passes of elementwise ops it took 5.1 instead of 4.2 ms at W2's shape,
+    42 instead of 34 ms at W3's). Rounding:
     the probabilities are rounded to the query dtype before the second matmul
     (transformers' eager attention does the same), where SDPA keeps them in fp32. Every
     query row's result is the same bits however the rows are grouped.
 
     q [R, Hq, Lq, D]; k, v [R, Hkv, Lk, D | Dv] contiguous (head-major); bias [R, 1, Lq, Lk]
-    additive fp32 (every query row keeps at least one key).
+    additive, 0 or -inf (every query row keeps at least one key), in any float dtype: both
+    values are exact in each and are added to the fp32 logits.
     """
     num_reqs, num_heads, q_len, _ = q.shape
     per_query = num_heads * k.shape[2]  # scores of one query position
@@ -333,9 +336,8 @@ def _attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float, out: Te
     logits.copy_(scores)
     heads = logits.view(num, num_heads, q_len, num_keys)
     heads.mul_(scale).add_(bias)
-    probs = WORKSPACE.get("attn.matmul.probs", shape, torch.float32, q.device)
-    torch.ops.aten._softmax.out(heads, -1, False, out=probs.view(heads.shape))
-    scores.copy_(probs)
+    torch.ops.aten._softmax.out(heads, -1, False, out=heads)  # in place: same kernel, bits
+    scores.copy_(logits)
     if out.is_contiguous():  # every query of the group: written in place
         torch.matmul(scores, v, out=out.view(num, num_kv_heads, rows, -1))
     else:
