@@ -250,6 +250,25 @@ def test_masked_bf16_prefills_run_as_matmuls_in_groups(
     assert not sdpa_calls
 
 
+def test_matmul_attention_same_bits_for_any_mask_dtype() -> None:
+    """The matmul attention adds its 0 / -inf mask to fp32 logits, so a bf16 mask (what the
+    engine passes: half the bytes) gives the fp32 mask's bits, and the in-place softmax the
+    bits of a softmax into a separate buffer (the form it replaced)."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(3, HQ, 7, D, generator=gen).bfloat16()
+    k = torch.randn(3, HKV, 40, D, generator=gen).bfloat16()
+    v = torch.randn(3, HKV, 40, DV, generator=gen).bfloat16()
+    keep = torch.rand(3, 1, 7, 40, generator=gen) > 0.4
+    keep[..., 0] = True  # every query row keeps a key
+    mask32 = torch.zeros(keep.shape).masked_fill(~keep, float("-inf"))
+    out = batched._matmul_attention(q, k, v, mask32, SCALE)
+    assert torch.equal(batched._matmul_attention(q, k, v, mask32.bfloat16(), SCALE), out)
+    rep = HQ // HKV
+    scores = (q.view(3, HKV, rep * 7, D) @ k.transpose(-1, -2)).float().view(3, HQ, 7, 40)
+    probs = torch.softmax(scores * SCALE + mask32, dim=-1).bfloat16().view(3, HKV, rep * 7, 40)
+    assert torch.equal((probs @ v).view(3, HQ, 7, DV), out)
+
+
 def test_fresh_bf16_prefills_run_as_matmuls_over_the_causal_triangle(
     monkeypatch: pytest.MonkeyPatch, sdpa_calls: list[int]
 ) -> None:
