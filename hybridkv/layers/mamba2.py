@@ -29,6 +29,7 @@ from hybridkv.forward.views import CacheViews
 from hybridkv.layers.norm import rms_normalize
 from hybridkv.ops.causal_conv1d import causal_conv1d_varlen
 from hybridkv.ops.mamba2 import NO_DT_LIMIT, SSDParams, ssd_varlen
+from hybridkv.ops.row_blocks import by_row_blocks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,6 +103,9 @@ class GroupedGatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        return by_row_blocks(self._norm, x, gate)
+
+    def _norm(self, x: Tensor, gate: Tensor) -> Tensor:
         dtype = x.dtype
         h = x.float() * F.silu(gate.float())  # [T, I]
         groups = h.view(*h.shape[:-1], -1, self.group_size)  # [T, G, I/G]

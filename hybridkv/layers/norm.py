@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridkv.ops.row_blocks import by_row_blocks
+
 
 def rms_normalize(x: Tensor, eps: float, weight: Tensor | None = None) -> Tensor:
     """``x * rsqrt(mean(x^2, -1) + eps)`` (times ``weight``), in ``x``'s dtype.
@@ -33,6 +35,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        return by_row_blocks(self._norm, x)
+
+    def _norm(self, x: Tensor) -> Tensor:
         return self.weight * rms_normalize(x.float(), self.eps).to(x.dtype)
 
 
@@ -47,7 +52,10 @@ class ZeroCenteredRMSNorm(nn.Module):
         self._scale: tuple[tuple[Any, ...], Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_normalize(x.float(), self.eps, self.scale()).to(x.dtype)
+        scale = self.scale()
+        return by_row_blocks(
+            lambda rows: rms_normalize(rows.float(), self.eps, scale).to(x.dtype), x
+        )
 
     def scale(self) -> Tensor:
         """``1 + w`` in fp32, computed once per weight while no graph is recorded: a step
@@ -80,5 +88,8 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor, gate: Tensor) -> Tensor:
+        return by_row_blocks(self._norm, x, gate)
+
+    def _norm(self, x: Tensor, gate: Tensor) -> Tensor:
         normed = self.weight * rms_normalize(x.float(), self.eps).to(x.dtype)
         return (normed * F.silu(gate.float())).to(x.dtype)

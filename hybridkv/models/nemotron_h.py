@@ -28,6 +28,7 @@ from hybridkv.layers.moe import GroupedExperts, moe_forward
 from hybridkv.layers.norm import rms_normalize
 from hybridkv.models.base import CausalLM
 from hybridkv.models.common import attention_config_from, mamba2_mixer, state_specs
+from hybridkv.ops.row_blocks import by_row_blocks
 
 _LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 _WORDS = {
@@ -57,6 +58,9 @@ class Fp32RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        return by_row_blocks(self._norm, x)
+
+    def _norm(self, x: Tensor) -> Tensor:
         h = x.float()
         h = rms_normalize(h, self.eps)
         return (self.weight.float() * h).to(x.dtype)
