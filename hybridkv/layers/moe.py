@@ -47,6 +47,7 @@ from torch import Tensor, nn
 
 from hybridkv.layers.mlp import GatedMLP, activation
 from hybridkv.layers.packed_linear import PackedLinear, packing_threshold
+from hybridkv.ops.row_copy import select_rows
 
 _GROUPED_MM_ALIGN_BYTES = 16  # F.grouped_mm needs 16-byte row strides on CPU
 PADDED_MAX_CAPACITY = 64  # padded bmm up to this many rows per expert (measured crossover ~75)
@@ -83,8 +84,9 @@ class ExpertRouting:
         return int(self.order.numel())
 
     def sort(self, x: Tensor) -> Tensor:
-        """[T, H] -> [N, H]: each row's token input, in expert order."""
-        return x.index_select(0, self.token)
+        """[T, H] -> [N, H]: each row's token input, in expert order (rows moved as 16-byte
+        words: ``index_select`` costs per element)."""
+        return select_rows(x, self.token)
 
     def sort_weights(self, weights: Tensor) -> Tensor:
         """[T, k] -> [N, 1] routing weight of each sorted row."""
@@ -93,7 +95,10 @@ class ExpertRouting:
     def combine(self, rows: Tensor) -> Tensor:
         """[N, H] weighted expert outputs -> [T, H], each token's k terms summed in
         ascending expert order (the former loop's ``index_add_`` order)."""
-        terms = rows[self.combine_rows]  # [T, k, H]
+        num_tokens, top_k = self.combine_rows.shape
+        # [T, k, H], rows moved as 16-byte words: advanced indexing copied per element
+        # (a 4,096-token prefill of the small Qwen3-Next: 4.4 ms a layer)
+        terms = select_rows(rows, self.combine_rows.view(-1)).view(num_tokens, top_k, -1)
         out = terms[:, 0]
         for j in range(1, terms.shape[1]):
             out = out + terms[:, j]

@@ -40,7 +40,8 @@ def by_row_blocks(fn: Callable[..., Tensor], *rows: Tensor) -> Tensor:
     One call when an input has fewer than 2 dims (a 1-D input is one row of a norm), and
     under autograd (the blocks write into a buffer).
     """
-    if any(t.dim() < 2 for t in rows):
+    total = rows[0].numel() if len(rows) == 1 else sum(t.numel() for t in rows)
+    if total <= ROW_BLOCK_ELEMENTS or any(t.dim() < 2 for t in rows):  # decode steps
         return fn(*rows)
     num = rows[0].shape[0]
     per_row = sum(math.prod(t.shape[1:]) for t in rows)

@@ -87,6 +87,14 @@ def index_select_rows(src: Tensor, index: Tensor, out: Tensor) -> Tensor:
     return torch.index_select(src, 0, index, out=out)
 
 
+def select_rows(src: Tensor, index: Tensor) -> Tensor:
+    """``src.index_select(0, index)`` into a new tensor, moved as 16-byte words when
+    possible; the plain op when autograd tracks ``src`` (``out=`` records no graph)."""
+    if needs_grad(src) or src.dim() == 0:
+        return src.index_select(0, index)
+    return index_select_rows(src, index, src.new_empty(index.numel(), *src.shape[1:]))
+
+
 def _is_view_of_other(dst: Tensor, src: Tensor) -> bool:
     """True when src may overlap dst (the plain op then decides what that means)."""
     return dst.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()

@@ -12,7 +12,7 @@ import torch
 
 from hybridkv.ops.paged_attention.batched import _gather, _row_view
 from hybridkv.ops.paged_attention.plan import KeyGather
-from hybridkv.ops.row_copy import index_copy_rows, index_select_rows, wide_rows
+from hybridkv.ops.row_copy import index_copy_rows, index_select_rows, select_rows, wide_rows
 
 NUM_PAGES = 9
 
@@ -69,6 +69,25 @@ def test_index_select_rows_moves_the_bytes_of_index_select(
     out = torch.empty(4, *shape, dtype=dtype)
     index_select_rows(view, pages, out)
     assert torch.equal(bits(out), bits(view.index_select(0, pages)))
+
+
+@pytest.mark.parametrize(("shape", "dtype", "page_bytes", "offset", "wide"), CASES)
+def test_select_rows_moves_the_bytes_of_index_select(
+    shape: tuple[int, ...], dtype: torch.dtype, page_bytes: int, offset: int, wide: bool
+) -> None:
+    """The allocating form (MoE's sort and combine): the plain op's bytes and shape."""
+    view = page_view(shape, dtype, page_bytes, offset)
+    pages = torch.tensor([3, 0, 8, 3, 3])
+    got = select_rows(view, pages)
+    assert got.shape == (5, *shape) and got.dtype == dtype
+    assert torch.equal(bits(got), bits(view.index_select(0, pages)))
+
+
+def test_select_rows_keeps_autograd() -> None:
+    src = torch.randn(4, 8, requires_grad=True)
+    select_rows(src * 3.0, torch.tensor([1, 1, 2])).sum().backward()
+    assert src.grad is not None
+    assert torch.equal(src.grad, torch.tensor([0.0, 6.0, 3.0, 0.0])[:, None].expand(4, 8))
 
 
 def test_index_copy_rows_on_an_overlapping_source_takes_the_plain_op() -> None:
