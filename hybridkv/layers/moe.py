@@ -98,7 +98,8 @@ class ExpertRouting:
         num_tokens, top_k = self.combine_rows.shape
         # [T, k, H], rows moved as 16-byte words: advanced indexing copied per element
         # (a 4,096-token prefill of the small Qwen3-Next: 4.4 ms a layer)
-        terms = select_rows(rows, self.combine_rows.view(-1)).view(num_tokens, top_k, -1)
+        terms = select_rows(rows, self.combine_rows.view(-1))
+        terms = terms.view(num_tokens, top_k, rows.shape[-1])  # (no -1: zero tokens)
         out = terms[:, 0]
         for j in range(1, terms.shape[1]):
             out = out + terms[:, j]

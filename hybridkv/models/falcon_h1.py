@@ -32,6 +32,7 @@ from hybridkv.layers.mlp import GatedMLP
 from hybridkv.layers.norm import RMSNorm, rms_normalize
 from hybridkv.models.base import CausalLM
 from hybridkv.models.common import attention_config_from
+from hybridkv.ops.row_blocks import by_row_blocks
 
 
 def _float(value: Any) -> float:
@@ -90,6 +91,9 @@ class FalconGatedRMSNorm(nn.Module):
         self.norm_before_gate = norm_before_gate
 
     def forward(self, y: Tensor, gate: Tensor) -> Tensor:
+        return by_row_blocks(self._norm, y, gate)
+
+    def _norm(self, y: Tensor, gate: Tensor) -> Tensor:
         h, silu_gate = y.float(), F.silu(gate.float())
         if not self.norm_before_gate:
             h = h * silu_gate

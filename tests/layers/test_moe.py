@@ -142,6 +142,17 @@ def test_grouped_experts_equal_the_loop(
             torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_no_tokens_give_an_empty_output(dtype: torch.dtype) -> None:
+    """Regression: the combine's reshape of zero rows failed (an ambiguous -1)."""
+    grouped = GroupedExperts(6, 16, 8, activation("silu")).to(dtype)
+    x = torch.empty(0, 16, dtype=dtype)
+    experts = torch.empty(0, 2, dtype=torch.int64)
+    with torch.no_grad():
+        out = moe_forward(x, torch.empty(0, 2, dtype=dtype), experts, grouped)
+    assert out.shape == (0, 16) and out.dtype == dtype
+
+
 def test_small_experts_are_not_packed() -> None:
     grouped = GroupedExperts(4, 64, 32, activation("silu")).to(torch.bfloat16)
     assert grouped.pack_weights(min_elements=4 * 64 * 64 + 1) == 0

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from hybridkv.layers.mamba2 import GroupedGatedRMSNorm
 from hybridkv.layers.norm import GatedRMSNorm, RMSNorm, ZeroCenteredRMSNorm
+from hybridkv.models.falcon_h1 import FalconGatedRMSNorm
 from hybridkv.models.nemotron_h import Fp32RMSNorm
 from hybridkv.ops import row_blocks
 from hybridkv.ops.row_blocks import by_row_blocks
@@ -25,6 +26,8 @@ def _norms() -> dict[str, tuple[nn.Module, bool]]:
         "gated": (GatedRMSNorm(WIDTH), True),
         "grouped-gated": (GroupedGatedRMSNorm(WIDTH, group_size=8, eps=1e-6), True),
         "fp32-weight": (Fp32RMSNorm(WIDTH, eps=1e-6), False),
+        "falcon-gated": (FalconGatedRMSNorm(WIDTH, 8, 1e-6, norm_before_gate=True), True),
+        "falcon-gate-first": (FalconGatedRMSNorm(WIDTH, 8, 1e-6, norm_before_gate=False), True),
     }
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -80,13 +83,16 @@ def _check_blocks(
         assert torch.equal(seen, whole)
 
 
-def test_tracked_inputs_keep_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under autograd the norm runs once on all rows, and its gradient flows."""
+@pytest.mark.parametrize("tracked", ["input", "weight"])
+def test_grad_mode_keeps_one_call(tracked: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With grad mode on the norm runs once on all rows (regression: a trainable weight
+    with an untracked input went through the blocks), and its gradient flows."""
     module = RMSNorm(WIDTH)
     monkeypatch.setattr(row_blocks, "ROW_BLOCK_ELEMENTS", 64 * WIDTH)
-    x = torch.randn(485, WIDTH, requires_grad=True)
+    x = torch.randn(485, WIDTH, requires_grad=tracked == "input")
     calls: list[int] = []
     out = by_row_blocks(lambda rows: calls.append(rows.shape[0]) or module(rows), x)
     out.sum().backward()
     assert calls == [485]
-    assert x.grad is not None and torch.isfinite(x.grad).all()
+    grad = x.grad if tracked == "input" else module.weight.grad
+    assert grad is not None and torch.isfinite(grad).all()
