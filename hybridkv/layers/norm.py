@@ -52,10 +52,10 @@ class ZeroCenteredRMSNorm(nn.Module):
         self._scale: tuple[tuple[Any, ...], Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
-        scale = self.scale()
-        return by_row_blocks(
-            lambda rows: rms_normalize(rows.float(), self.eps, scale).to(x.dtype), x
-        )
+        return by_row_blocks(self._norm, x)
+
+    def _norm(self, x: Tensor) -> Tensor:
+        return rms_normalize(x.float(), self.eps, self.scale()).to(x.dtype)
 
     def scale(self) -> Tensor:
         """``1 + w`` in fp32, computed once per weight while no graph is recorded: a step
