@@ -422,7 +422,7 @@ def gated_delta_rule_varlen(
         return out.to(v.dtype)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
     if states.decodes is not None:
-        out.index_copy_(0, states.decodes.rows, _decode(rows, ssm_pages, states.decodes))
+        index_copy_rows(out, states.decodes.rows, _decode(rows, ssm_pages, states.decodes))
     for layout in states.chunks(chunk_size, BLOCK_TOKENS):  # rows as 16-byte words
         index_copy_rows(out, layout.rows, _chunks(rows, ssm_pages, layout))
     states.copy_final_captures(ssm_pages)
