@@ -1,30 +1,36 @@
-"""Engine step times: hybridkv against vLLM 0.32's CPU engine, step by step.
+"""Engine step times: hybridkv against vLLM 0.32's CPU engine, probe by probe.
 
-``vs_vllm_engine.py`` times whole workloads, where hybridkv's prefix cache and vLLM's
-per-step speed mix; this one times single engine steps on fresh random prompts (nothing to
-hit), so the forward of each engine is compared alone. Same small random Qwen3-Next, same
-settings as ``vs_vllm_engine.py`` (bf16, 1 GiB cache, max_num_seqs 64,
-max_num_batched_tokens 4096, one compute thread). Each probe submits its requests at once
-and times every ``engine.step()`` until they finish:
+``vs_vllm_engine.py`` times whole workloads, where hybridkv's prefix cache and each
+engine's per-step speed mix; this one times decode steps and prefills on fresh random
+prompts (nothing to hit), so the engines' steps are compared without the cache. Same small
+random Qwen3-Next and settings as ``vs_vllm_engine.py`` (bf16, 1 GiB cache, max_num_seqs
+64, max_num_batched_tokens 4096, one compute thread). A step is each engine's whole step
+as its client sees it: hybridkv schedules, samples and detokenizes in its one thread
+between forwards; vLLM runs its engine core and its client in processes of their own, on
+the machine's other core. Each probe submits its requests at once and runs them to the end:
 
-    decode b8        8 x 300-token prompts, 100 tokens out: median of the decode steps
-    decode b64       64 x 128-token prompts, 40 tokens out: median of the decode steps
+    decode b8        8 x 300-token prompts, 100 tokens out: median time between step
+                     returns, over the steps where all 8 requests decode and none finishes
+    decode b64       64 x 128-token prompts, 40 tokens out: the same over 64 requests
     prefill 64x128   64 x 128-token prompts, one token out: submission to the end
     prefill 4x1000   4 x 1,000-token prompts, one token out: submission to the end
 
-(Prefills are timed as whole runs from submission: vLLM's engine core runs in its own
-process and starts computing while its client still submits, so which ``step()`` call
-returns a prefill's output says little about when it was computed.)
+(Decode steps are told by their outputs, not by their position: vLLM's engine core starts
+computing while its client still submits and runs ahead of it, so how many early
+``step()`` calls hold prefills varies. Prefills are whole runs from the submission on.)
 
 One process per (engine, repeat) runs all probes after a warm-up; repeats alternate which
 engine goes first. Printed: each engine's median [min-max] over the repeats, and the ratio
-vLLM / hybridkv (> 1: hybridkv's step is faster) per repeat, then its median.
-``--profile`` adds one more process per engine that profiles 20 decode steps at batch 8
-with the torch profiler (vLLM's own ``profiler_config``) and prints each engine's top ops.
+vLLM / hybridkv (> 1: hybridkv is faster) per repeat, then its median. ``--profile`` adds
+one more process per engine that profiles 20 decode steps at batch 8 with the torch
+profiler and prints each engine's top ops: hybridkv's whole step; vLLM's worker only (its
+own ``profiler_config``; the ``execute_context`` rows count the model steps it covered).
+Each child's log and the JSON of every run go to ``--data-dir`` (default
+../anchors-data/vs_vllm_steps/<time>/).
 
 Usage: ``python benchmarks/vs_vllm_steps.py [--repeats 3] [--profile]``. The child side
-(``--child ENGINE``) runs under that engine's interpreter and imports nothing of this
-checkout but hybridkv itself.
+(``--child ENGINE``) runs under that engine's interpreter (vLLM's with ``-P``: nothing of
+this checkout on its path) and imports only its engine.
 """
 
 from __future__ import annotations
@@ -35,93 +41,57 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 PROBES = ("decode b8", "decode b64", "prefill 64x128", "prefill 4x1000")
+ENGINES = ("hybridkv", "vllm")
 PROFILE_STEPS = 20
 TOP_OPS = 18
+TABLE_HEAD = 3  # the profiler table's ruler, column titles and ruler
 
 
 # ----------------------------------------------------------------------------- child side
 class Stepper:
-    """One engine behind a common interface: submit prompts, time each step to the end."""
+    """One engine behind a common interface: submit prompts, time each step to the end.
+    Subclasses build the engine (``llm``, ``core``, ``sampling``, ``vocab``) and submit."""
 
-    def __init__(self, engine: str, model: str, seed: int) -> None:
-        self.engine = engine
-        self.profile_dir: str | None = None
-        if engine == "vllm":
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
-            from vllm import LLM, SamplingParams
+    llm: Any
+    core: Any  # the object with step() and has_unfinished_requests()
+    sampling: Any  # the engine's SamplingParams class
+    vocab: int
 
-            kwargs: dict[str, Any] = {}
-            if os.environ.get("HYBRIDKV_STEPS_PROFILE_DIR"):
-                self.profile_dir = os.environ["HYBRIDKV_STEPS_PROFILE_DIR"]
-                kwargs["profiler_config"] = {
-                    "profiler": "torch",
-                    "torch_profiler_dir": self.profile_dir,
-                    "torch_profiler_with_stack": False,
-                    "torch_profiler_use_gzip": False,
-                }
-            self.llm = LLM(
-                model=model,
-                dtype="bfloat16",
-                max_model_len=4096,
-                max_num_seqs=64,
-                max_num_batched_tokens=4096,
-                enable_prefix_caching=True,
-                seed=seed,
-                **kwargs,
-            )
-            self.core = self.llm.llm_engine
-            self.vocab = self.core.model_config.get_vocab_size()
-        else:
-            import torch
-
-            torch.set_num_threads(1)
-            from hybridkv import LLM, SamplingParams
-
-            self.llm = LLM(
-                model=model,
-                dtype="bfloat16",
-                max_model_len=4096,
-                max_num_seqs=64,
-                cache_memory_gib=1.0,
-                max_num_batched_tokens=4096,
-                seed=seed,
-            )
-            self.core = self.llm.engine
-            self.vocab = self.core.vocab_size
-        self.sampling = SamplingParams
+    def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-        self.ids = 0
 
     def prompts(self, count: int, length: int) -> list[list[int]]:
+        """``count`` fresh random prompts (ids 3.. avoid the special tokens)."""
         return [[self.rng.randrange(3, self.vocab) for _ in range(length)] for _ in range(count)]
 
     def submit(self, prompts: list[list[int]], max_tokens: int) -> None:
-        params = self.sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        if self.engine == "vllm":
-            self.llm.enqueue([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-            return
-        for p in prompts:
-            self.core.add_request(f"p{self.ids}", {"prompt_token_ids": p}, params)
-            self.ids += 1
+        raise NotImplementedError
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
-        """(seconds from submission to the end, seconds of each step). vLLM's engine core
-        starts computing while its client is still submitting, so a run's time starts
-        before the submission."""
+        """(seconds from submission to the end, seconds of each full-batch decode step).
+
+        A full-batch decode step returns an output for every request, each of which has
+        returned one before (its prefill is done), and finishes none. Its time runs from
+        the previous step's return to its own, so nothing between steps is left out."""
         start = time.perf_counter()
         self.submit(prompts, max_tokens)
-        times = []
+        seen: set[str] = set()
+        decode_steps: list[float] = []
+        last = time.perf_counter()
         while self.core.has_unfinished_requests():
-            begin = time.perf_counter()
-            self.core.step()
-            times.append(time.perf_counter() - begin)
-        return time.perf_counter() - start, times
+            outputs = self.core.step()
+            now = time.perf_counter()
+            ids = {out.request_id for out in outputs}
+            if len(ids) == len(prompts) and ids <= seen and not any(o.finished for o in outputs):
+                decode_steps.append(now - last)
+            seen |= ids
+            last = now
+        return time.perf_counter() - start, decode_steps
 
     def probes(self) -> dict[str, float]:
         """Milliseconds: decode steps' medians, prefill runs' totals."""
@@ -130,63 +100,193 @@ class Stepper:
         short, _ = self.run(self.prompts(64, 128), 1)
         long, _ = self.run(self.prompts(4, 1000), 1)
         return {
-            "decode b8": statistics.median(b8[3:]) * 1e3,  # after the prefill step(s)
-            "decode b64": statistics.median(b64[4:]) * 1e3,
+            "decode b8": statistics.median(b8) * 1e3,
+            "decode b64": statistics.median(b64) * 1e3,
             "prefill 64x128": short * 1e3,
             "prefill 4x1000": long * 1e3,
         }
 
     def profile(self) -> str:
-        """The top ops of PROFILE_STEPS decode steps at batch 8 (after 20 unprofiled)."""
+        """The top ops of PROFILE_STEPS decode steps at batch 8 (after as many unprofiled)."""
+        raise NotImplementedError
+
+    def _decode_batch(self) -> None:
+        """Submit the profiled batch and run it past its prefill."""
         self.submit(self.prompts(8, 300), 3 * PROFILE_STEPS)
         for _ in range(PROFILE_STEPS):
             self.core.step()
-        if self.engine == "vllm":
-            self.llm.start_profile()
-            for _ in range(PROFILE_STEPS):
-                self.core.step()
-            self.llm.stop_profile()
-            while self.core.has_unfinished_requests():
-                self.core.step()
-            assert self.profile_dir is not None
-            deadline = time.time() + 60  # the worker writes its table after stopping
-            while time.time() < deadline:
-                tables = list(Path(self.profile_dir).glob("*profiler_out*.txt"))
-                if tables:
-                    time.sleep(1)
-                    return "\n".join(tables[0].read_text().splitlines()[: TOP_OPS + 4])
-                time.sleep(0.5)
-            return "(vLLM wrote no profile table)"
+
+    def _finish(self) -> None:
+        while self.core.has_unfinished_requests():
+            self.core.step()
+
+
+class HybridkvStepper(Stepper):
+    def __init__(self, model: str, seed: int) -> None:
+        super().__init__(seed)
+        import torch
+
+        torch.set_num_threads(1)
+        from hybridkv import LLM, SamplingParams
+
+        self.llm = LLM(
+            model=model,
+            dtype="bfloat16",
+            max_model_len=4096,
+            max_num_seqs=64,
+            cache_memory_gib=1.0,
+            max_num_batched_tokens=4096,
+            seed=seed,
+        )
+        self.core = self.llm.engine
+        self.sampling = SamplingParams
+        self.vocab = self.core.vocab_size
+        self.ids = 0
+
+    def submit(self, prompts: list[list[int]], max_tokens: int) -> None:
+        params = self.sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for p in prompts:
+            self.core.add_request(f"p{self.ids}", {"prompt_token_ids": p}, params)
+            self.ids += 1
+
+    def profile(self) -> str:
         from torch.profiler import profile
 
+        self._decode_batch()
         with profile() as prof:
             for _ in range(PROFILE_STEPS):
                 self.core.step()
-        while self.core.has_unfinished_requests():
-            self.core.step()
+        self._finish()
         return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=TOP_OPS)
 
 
+class VllmStepper(Stepper):
+    def __init__(self, model: str, seed: int, profile_dir: str | None) -> None:
+        super().__init__(seed)
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "1"
+        from vllm import LLM, SamplingParams
+
+        extra: dict[str, Any] = {}
+        self.profile_dir = profile_dir
+        if profile_dir:  # vLLM profiles only when built to
+            extra["profiler_config"] = {
+                "profiler": "torch",
+                "torch_profiler_dir": profile_dir,
+                "torch_profiler_with_stack": False,
+                "torch_profiler_use_gzip": False,
+            }
+        self.llm = LLM(
+            model=model,
+            dtype="bfloat16",
+            max_model_len=4096,
+            max_num_seqs=64,
+            max_num_batched_tokens=4096,
+            enable_prefix_caching=True,
+            seed=seed,
+            **extra,
+        )
+        self.core = self.llm.llm_engine
+        self.sampling = SamplingParams
+        self.vocab = self.core.model_config.get_vocab_size()
+        self.ids = 0
+
+    def submit(self, prompts: list[list[int]], max_tokens: int) -> None:
+        """Straight to the engine, not ``LLM.enqueue``: the offline entry point asks for
+        final outputs only, and a step's outputs tell its decodes (:meth:`Stepper.run`)."""
+        params = self.sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for p in prompts:
+            self.core.add_request(f"p{self.ids}", {"prompt_token_ids": p}, params)
+            self.ids += 1
+
+    def profile(self) -> str:
+        self._decode_batch()
+        self.llm.start_profile()
+        for _ in range(PROFILE_STEPS):
+            self.core.step()
+        self.llm.stop_profile()  # returns once the worker has written its table
+        self._finish()
+        assert self.profile_dir is not None
+        tables = sorted(Path(self.profile_dir).glob("*profiler_out*.txt"))
+        if not tables:
+            return "(vLLM wrote no profile table)"
+        lines = tables[0].read_text().splitlines()
+        return "\n".join(lines[: TABLE_HEAD + TOP_OPS] + lines[-2:])  # rows, ruler, total
+
+
 def child(args: argparse.Namespace) -> None:
-    stepper = Stepper(args.child, args.model, args.seed)
-    stepper.run(stepper.prompts(4, 32), 4)  # warm-up, as bench_engines.py
+    """Build one engine, warm it up as bench_engines.py does, print the probes (or a
+    profile) on lines of their own: peers log to stdout too."""
+    stepper: Stepper
+    if args.child == "vllm":
+        stepper = VllmStepper(args.model, args.seed, os.environ.get("HYBRIDKV_STEPS_PROFILE_DIR"))
+    else:
+        stepper = HybridkvStepper(args.model, args.seed)
+    stepper.run(stepper.prompts(4, 32), 4)
     if args.child_profile:
         for line in stepper.profile().splitlines():
-            print("PROFILE " + line)  # peers log to stdout too
+            print("PROFILE " + line)
         return
-    print("STEPS " + json.dumps({"engine": args.child, "ms": stepper.probes()}), flush=True)
+    print("STEPS " + json.dumps(stepper.probes()), flush=True)
 
 
 # ----------------------------------------------------------------------------- parent side
+class Children:
+    """Runs the child side under each engine's interpreter, logs kept in ``out``."""
+
+    def __init__(self, args: argparse.Namespace, model: str, out: Path, vllm: Path) -> None:
+        from anchors_common import hybridkv_env, peer_env
+
+        self.model, self.out, self.timeout = model, out, args.timeout
+        self.script = Path(__file__).resolve()
+        # -P: the script's directory (this checkout's benchmarks) off vLLM's sys.path
+        self.pythons: dict[str, list[str]] = {
+            "hybridkv": [sys.executable],
+            "vllm": [str(vllm), "-P"],
+        }
+        self.envs = {"hybridkv": hybridkv_env(), "vllm": peer_env()}
+
+    def run(
+        self, engine: str, tag: str, extra: list[str], env: dict[str, str] | None = None
+    ) -> str:
+        """The child's stdout, or exit with the run's log named and its last lines."""
+        from anchors_common import run_logged
+
+        cmd = [*self.pythons[engine], str(self.script), "--child", engine, "--model", self.model]
+        log = self.out / f"{engine}-{tag}.log"
+        try:
+            stdout = run_logged(
+                [*cmd, *extra], log, env=env or self.envs[engine], timeout_s=self.timeout
+            )
+        except RuntimeError as e:
+            tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+            sys.exit(f"{e}\n" + "\n".join(tail))
+        (self.out / f"{engine}-{tag}.stdout").write_text(stdout)
+        return stdout
+
+    def probes(self, engine: str, repeat: int, seed: int) -> dict[str, float]:
+        stdout = self.run(engine, f"r{repeat}", ["--seed", str(seed)])
+        for line in reversed(stdout.splitlines()):
+            if line.startswith("STEPS "):
+                return json.loads(line[len("STEPS ") :])
+        sys.exit(f"no STEPS line from {engine} (see {self.out / f'{engine}-r{repeat}.log'})")
+
+    def profile(self, engine: str) -> str:
+        env = dict(self.envs[engine])
+        env["HYBRIDKV_STEPS_PROFILE_DIR"] = str(self.out / f"profile-{engine}")
+        stdout = self.run(engine, "profile", ["--child-profile"], env)
+        marked = [line for line in stdout.splitlines() if line.startswith("PROFILE ")]
+        return "\n".join(line[len("PROFILE ") :] for line in marked)
+
+
 def parent(args: argparse.Namespace) -> None:
+    """Interleaved repeats of both engines, the table, then the profiles if asked."""
     from anchors_common import (
         anchors_dir,
         cache_dir,
-        hybridkv_env,
+        data_dir,
+        git_head,
         machine_line,
-        peer_env,
         peer_python,
-        run_logged,
     )
     from vs_vllm_engine import SmallModel, build_model
 
@@ -199,54 +299,35 @@ def parent(args: argparse.Namespace) -> None:
     model = args.model or str(
         build_model(anchors_dir(args.anchors_dir), cache_dir(args.data_dir), SmallModel())
     )
-    pythons = {"hybridkv": Path(sys.executable), "vllm": vllm}
-    envs = {"hybridkv": hybridkv_env(), "vllm": peer_env()}
-    script = Path(__file__).resolve()
+    out = data_dir(args.data_dir, "vs_vllm_steps")
+    children = Children(args, model, out, vllm)
     print(f"machine: {machine_line()}")
-    print(f"model {model}; {args.repeats} repeats, engines alternating")
-    runs: dict[str, list[dict[str, float]]] = {"hybridkv": [], "vllm": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(args.repeats):
-            for engine in ("hybridkv", "vllm") if r % 2 == 0 else ("vllm", "hybridkv"):
-                cmd = [pythons[engine], script, "--child", engine, "--model", model]
-                cmd += ["--seed", str(args.seed + r)]
-                log = Path(tmp) / f"{engine}-r{r}.log"
-                try:
-                    out = run_logged(cmd, log, env=envs[engine], timeout_s=args.timeout)
-                except RuntimeError as e:
-                    tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                    sys.exit(f"{e}\n" + "\n".join(tail))
-                ms = _steps(out)
-                runs[engine].append(ms)
-                shown = ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
-                print(f"  repeat {r} {engine:8s} ms: {shown}", flush=True)
-        print_table(runs)
-        if args.profile:
-            for engine in ("hybridkv", "vllm"):
-                env = dict(envs[engine])
-                env["HYBRIDKV_STEPS_PROFILE_DIR"] = str(Path(tmp) / f"profile-{engine}")
-                cmd = [pythons[engine], script, "--child", engine, "--model", model]
-                cmd += ["--child-profile"]
-                out = run_logged(cmd, Path(tmp) / f"profile-{engine}.log", env=env)
-                print(f"\n{engine}: {PROFILE_STEPS} decode steps at batch 8, top ops")
-                marked = [line for line in out.splitlines() if line.startswith("PROFILE ")]
-                print("\n".join(line[len("PROFILE ") :] for line in marked))
+    print(f"hybridkv {git_head()}; model {model}; {args.repeats} repeats; logs in {out}")
+    runs: dict[str, list[dict[str, float]]] = {engine: [] for engine in ENGINES}
+    for r in range(args.repeats):
+        for engine in ENGINES if r % 2 == 0 else ENGINES[::-1]:
+            ms = children.probes(engine, r, args.seed + r)
+            runs[engine].append(ms)
+            with open(out / "runs.jsonl", "a") as f:
+                f.write(json.dumps({"engine": engine, "repeat": r, "ms": ms}) + "\n")
+            shown = ", ".join(f"{k} {v:.1f}" for k, v in ms.items())
+            print(f"  repeat {r} {engine:8s} ms: {shown}", flush=True)
+    print_table(runs)
+    if args.profile:
+        for engine in ENGINES:
+            print(f"\n{engine}: {PROFILE_STEPS} decode steps at batch 8, top ops")
+            print(children.profile(engine))
     print(f"\nmachine at the end: {machine_line()}")
 
 
-def _steps(stdout: str) -> dict[str, float]:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith("STEPS "):
-            return json.loads(line[len("STEPS ") :])["ms"]
-    raise RuntimeError("no STEPS line in the child's output")
-
-
 def print_table(runs: dict[str, list[dict[str, float]]]) -> None:
+    """Each probe: both engines' median [min-max] and the per-repeat ratio's."""
+
     def spread(values: list[float], fmt: str) -> str:
         med = fmt.format(statistics.median(values))
         return f"{med} [{fmt.format(min(values))}-{fmt.format(max(values))}]"
 
-    print("\nstep times, ms: median [min-max] over the repeats; vLLM / hybridkv per repeat")
+    print("\nms: median [min-max] over the repeats; vLLM / hybridkv per repeat (> 1: faster)")
     print(f"  {'probe':15s} {'hybridkv':>24s} {'vLLM CPU':>24s} {'vLLM / hybridkv':>22s}")
     for probe in PROBES:
         ours = [run[probe] for run in runs["hybridkv"]]
@@ -260,17 +341,20 @@ def print_table(runs: dict[str, list[dict[str, float]]]) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=3, help="at least 1")
     p.add_argument("--seed", type=int, default=0, help="prompt seed of repeat 0 (+1 each)")
     p.add_argument("--profile", action="store_true", help="also profile decode at batch 8")
     p.add_argument("--model", help="an existing checkpoint instead of the cached small one")
     p.add_argument("--vllm-cpu", help="vLLM CPU venv or its python ($HYBRIDKV_VLLM_CPU)")
     p.add_argument("--anchors-dir", help="shared/anchors ($HYBRIDKV_ANCHORS_DIR)")
-    p.add_argument("--data-dir", help="where the checkpoint is cached ($HYBRIDKV_ANCHORS_DATA)")
+    p.add_argument("--data-dir", help="logs and the checkpoint cache ($HYBRIDKV_ANCHORS_DATA)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per process at most")
-    p.add_argument("--child", choices=("hybridkv", "vllm"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--child-profile", action="store_true", help=argparse.SUPPRESS)
-    return p.parse_args()
+    args = p.parse_args()
+    if args.repeats < 1:
+        p.error("--repeats must be at least 1")
+    return args
 
 
 def main() -> None:
