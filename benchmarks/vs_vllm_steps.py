@@ -55,7 +55,7 @@ TABLE_HEAD = 3  # the profiler table's ruler, column titles and ruler
 # ----------------------------------------------------------------------------- child side
 class Stepper:
     """One engine behind a common interface: submit prompts, time each step to the end.
-    Subclasses build the engine (``llm``, ``core``, ``sampling``, ``vocab``) and submit."""
+    Subclasses build the engine (``llm``, ``core``, ``sampling``, ``vocab``) and profile."""
 
     llm: Any
     core: Any  # the object with step() and has_unfinished_requests()
@@ -64,13 +64,19 @@ class Stepper:
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
+        self.ids = 0  # request ids, unique in the process
 
     def prompts(self, count: int, length: int) -> list[list[int]]:
         """``count`` fresh random prompts (ids 3.. avoid the special tokens)."""
         return [[self.rng.randrange(3, self.vocab) for _ in range(length)] for _ in range(count)]
 
     def submit(self, prompts: list[list[int]], max_tokens: int) -> None:
-        raise NotImplementedError
+        """Each prompt straight to the engine (vLLM: not through ``LLM.enqueue``, whose
+        offline path asks for final outputs only; a step's outputs tell its decodes)."""
+        params = self.sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for p in prompts:
+            self.core.add_request(f"p{self.ids}", {"prompt_token_ids": p}, params)
+            self.ids += 1
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
         """(seconds from submission to the end, seconds of each full-batch decode step).
@@ -141,13 +147,6 @@ class HybridkvStepper(Stepper):
         self.core = self.llm.engine
         self.sampling = SamplingParams
         self.vocab = self.core.vocab_size
-        self.ids = 0
-
-    def submit(self, prompts: list[list[int]], max_tokens: int) -> None:
-        params = self.sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for p in prompts:
-            self.core.add_request(f"p{self.ids}", {"prompt_token_ids": p}, params)
-            self.ids += 1
 
     def profile(self) -> str:
         from torch.profiler import profile
@@ -188,15 +187,6 @@ class VllmStepper(Stepper):
         self.core = self.llm.llm_engine
         self.sampling = SamplingParams
         self.vocab = self.core.model_config.get_vocab_size()
-        self.ids = 0
-
-    def submit(self, prompts: list[list[int]], max_tokens: int) -> None:
-        """Straight to the engine, not ``LLM.enqueue``: the offline entry point asks for
-        final outputs only, and a step's outputs tell its decodes (:meth:`Stepper.run`)."""
-        params = self.sampling(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        for p in prompts:
-            self.core.add_request(f"p{self.ids}", {"prompt_token_ids": p}, params)
-            self.ids += 1
 
     def profile(self) -> str:
         self._decode_batch()
