@@ -31,7 +31,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-MIB = 1 << 20
 PHASES = ("imported", "engine", "warm-up", "workload")
 AT_END = ("heap", "arena", "anonymous")
 REPO = Path(__file__).resolve().parents[1]
@@ -107,21 +106,25 @@ def child(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
     phases["workload"] = status_mib()
-    print("MEMORY " + json.dumps({"phases": phases, "end": smaps_mib()}), flush=True)
+    print(json.dumps({"memory": {"phases": phases, "end": smaps_mib()}}), flush=True)
 
 
 # ----------------------------------------------------------------------------- parent side
-def run_child(code: Path, args: argparse.Namespace, model: str, seed: int) -> dict:
-    """One fresh process of the checkout at ``code`` (its package first on the path)."""
+def run_child(code: Path, args: argparse.Namespace, model: str, seed: int, log: Path) -> dict:
+    """One fresh process of the checkout at ``code`` (its package first on the path); its
+    stderr goes to ``log``."""
+    from anchors_common import json_line, run_logged
+
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", args.workload]
     cmd += ["--model", model, "--seed", str(seed)]
     env = {**os.environ, "PYTHONPATH": str(code)}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("MEMORY "):
-            return json.loads(line[len("MEMORY ") :])
-    tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-    sys.exit(f"run of {code} failed (exit {done.returncode}):\n{tail}")
+    try:
+        return json_line(run_logged(cmd, log, env=env, timeout_s=args.timeout), '{"memory":')[
+            "memory"
+        ]
+    except RuntimeError as e:
+        tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-5:])
+        sys.exit(f"run of {code}: {e}\n{tail}")
 
 
 def figures(run: dict) -> dict[str, int]:
@@ -150,12 +153,13 @@ def print_table(runs: dict[str, list[dict[str, int]]]) -> None:
 
 
 def parent(args: argparse.Namespace) -> None:
-    from anchors_common import git_head, machine_line
+    from anchors_common import data_dir, git_head, machine_line
     from vs_vllm_engine import small_model
 
     model = str(small_model(args.model, args.anchors_dir, args.data_dir))
+    logs = data_dir(args.data_dir, "peak_memory")
     print(f"machine: {machine_line()}")
-    print(f"{args.workload}, {args.runs} fresh process(es) a side; model {model}")
+    print(f"{args.workload}, {args.runs} fresh process(es) a side; model {model}; logs in {logs}")
     with tempfile.TemporaryDirectory() as tmp:
         codes = {f"this ({git_head()})": REPO}
         if args.against:
@@ -169,8 +173,11 @@ def parent(args: argparse.Namespace) -> None:
             runs: dict[str, list[dict[str, int]]] = {side: [] for side in codes}
             for r in range(args.runs):
                 order = list(codes) if r % 2 == 0 else list(codes)[::-1]
-                for side in order:
-                    runs[side].append(figures(run_child(codes[side], args, model, args.seed + r)))
+                for n, side in enumerate(order):
+                    log = logs / f"run{r}-{n}.log"
+                    runs[side].append(
+                        figures(run_child(codes[side], args, model, args.seed + r, log))
+                    )
                     print(
                         f"  run {r} {side}: peak {runs[side][-1]['peak after workload']:,} MiB",
                         flush=True,
@@ -189,7 +196,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="prompt seed of run 0 (+1 each)")
     p.add_argument("--model", help="an existing checkpoint instead of the cached small one")
     p.add_argument("--anchors-dir", help="shared/anchors, to build the model once")
-    p.add_argument("--data-dir", help="where the checkpoint is cached ($HYBRIDKV_ANCHORS_DATA)")
+    p.add_argument("--data-dir", help="logs and the checkpoint cache ($HYBRIDKV_ANCHORS_DATA)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per process at most")
     p.add_argument("--child", choices=("w1", "w3"), help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -216,7 +216,7 @@ def child(args: argparse.Namespace) -> None:
         for line in stepper.profile().splitlines():
             print("PROFILE " + line)
         return
-    print("STEPS " + json.dumps(stepper.probes()), flush=True)
+    print(json.dumps({"steps": stepper.probes()}), flush=True)
 
 
 # ----------------------------------------------------------------------------- parent side
@@ -254,11 +254,13 @@ class Children:
         return stdout
 
     def probes(self, engine: str, repeat: int, seed: int) -> dict[str, float]:
+        from anchors_common import json_line
+
         stdout = self.run(engine, f"r{repeat}", ["--seed", str(seed)])
-        for line in reversed(stdout.splitlines()):
-            if line.startswith("STEPS "):
-                return json.loads(line[len("STEPS ") :])
-        sys.exit(f"no STEPS line from {engine} (see {self.out / f'{engine}-r{repeat}.log'})")
+        try:
+            return json_line(stdout, '{"steps":')["steps"]
+        except RuntimeError as e:
+            sys.exit(f"{engine}: {e} (see {self.out / f'{engine}-r{repeat}.log'})")
 
     def profile(self, engine: str) -> str:
         env = dict(self.envs[engine])
