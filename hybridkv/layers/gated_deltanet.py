@@ -22,7 +22,13 @@ from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.layers.norm import GatedRMSNorm
 from hybridkv.ops.causal_conv1d import causal_conv1d_varlen
-from hybridkv.ops.gated_delta_rule import gated_delta_rule_varlen, warm_up_decode
+from hybridkv.ops.gated_delta_rule import gated_delta_rule_varlen
+from hybridkv.ops.gated_delta_rule.mixer_decode import (
+    MixerWeights,
+    gated_deltanet_decode,
+    warm_up_mixer_decode,
+)
+from hybridkv.ops.paged_state import needs_grad
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -70,24 +76,54 @@ class GatedDeltaNet(nn.Module):
     def warm_up_compiled(self, views: CacheViews) -> None:
         """Compile this layer's compiled ops for its cache layout (the model runner calls it
         once, before serving; hybridkv.ops.compiled)."""
-        warm_up_decode(views.state(self.layer_index)["ssm"])
+        state = views.state(self.layer_index)
+        dtype = self.conv1d.weight.dtype
+        warm_up_mixer_decode(state["conv"], state["ssm"], self.mixer_weights(), dtype)
+
+    def mixer_weights(self) -> MixerWeights:
+        """The parameters the fused decode step reads."""
+        return MixerWeights(
+            self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight, self.norm.eps
+        )
 
     def forward(self, x: Tensor, batch: ForwardBatch, views: CacheViews) -> Tensor:
+        """Decodes (one-token requests) run the fused decode step, in every step
+        (:mod:`hybridkv.ops.gated_delta_rule.mixer_decode`: a token's result must not
+        depend on what shares its step); the other requests the varlen conv, the chunked
+        delta rule and the gated norm. Training (autograd) runs every request through the
+        varlen ops' differentiable paths."""
         cfg, num_tokens = self.cfg, x.shape[0]
         state = views.state(self.layer_index)
         states = batch.state_batch(state.group_id)
         qkv, z, b, a = self.project(x)
+        decodes = states.decodes
+        fused = decodes is not None and not needs_grad(qkv, z, b, a, *self.mixer_weights()[:4])
+        decoded = None
+        if fused:
+            assert decodes is not None
+            decoded = gated_deltanet_decode(
+                qkv, z, b, a, decodes, state["conv"], state["ssm"], self.mixer_weights()
+            )
+            if decodes.rows.numel() == num_tokens:  # a decode-only step
+                states.copy_final_captures(state["conv"])
+                states.copy_final_captures(state["ssm"])
+                return self.out_proj(decoded)
         weight = self.conv1d.weight[:, 0, :]  # [C, K]
-        qkv = causal_conv1d_varlen(qkv, state["conv"], states, weight, None, "silu")
+        qkv = causal_conv1d_varlen(qkv, state["conv"], states, weight, None, "silu", fused)
         q, k, v = qkv.split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
         q = q.reshape(num_tokens, cfg.num_k_heads, cfg.k_head_dim)
         k = k.reshape(num_tokens, cfg.num_k_heads, cfg.k_head_dim)
         v = v.reshape(num_tokens, cfg.num_v_heads, cfg.v_head_dim)
         beta = b.sigmoid()  # [T, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log decay
-        o = gated_delta_rule_varlen(q, k, v, g, beta, state["ssm"], states)
+        o = gated_delta_rule_varlen(q, k, v, g, beta, state["ssm"], states, skip_decodes=fused)
         o = self.norm(o.reshape(-1, cfg.v_head_dim), z.reshape(-1, cfg.v_head_dim))
-        return self.out_proj(o.reshape(num_tokens, cfg.value_dim))
+        o = o.reshape(num_tokens, cfg.value_dim)
+        if decoded is not None:  # a mixed step: the decodes' rows (whose conv the
+            assert decodes is not None  # block path skipped) from the fused step
+            states.copy_final_captures(state["conv"])
+            o = o.index_copy(0, decodes.rows, decoded)
+        return self.out_proj(o)
 
 
 class Qwen3NextGatedDeltaNet(GatedDeltaNet):

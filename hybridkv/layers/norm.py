@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from hybridkv.ops.gated_norm import gated_rms_norm
 from hybridkv.ops.row_blocks import by_row_blocks
 
 
@@ -91,5 +92,4 @@ class GatedRMSNorm(nn.Module):
         return by_row_blocks(self._norm, x, gate)
 
     def _norm(self, x: Tensor, gate: Tensor) -> Tensor:
-        normed = self.weight * rms_normalize(x.float(), self.eps).to(x.dtype)
-        return (normed * F.silu(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps)

@@ -76,7 +76,7 @@ class StateBatch:
         self.has_initial_state = has_initial_state
         self.captures = captures
         self._chunk_layouts: dict[tuple[int, int], list[ChunkLayout]] = {}
-        self._conv_blocks: dict[tuple[int, int], list[ConvBlock]] = {}
+        self._conv_blocks: dict[tuple[int, int, bool], list[ConvBlock]] = {}
         self._token_layouts: dict[int, list[TokenLayout]] = {}
         if captures is not None:
             self._check_captures()
@@ -172,11 +172,16 @@ class StateBatch:
             self._token_layouts[block_requests] = build_token_layouts(self.step, block_requests)
         return self._token_layouts[block_requests]
 
-    def conv(self, kernel: int, block_tokens: int) -> list[ConvBlock]:
-        """Consecutive requests in blocks for a width-``kernel`` causal conv; cached."""
-        key = (kernel, block_tokens)
+    def conv(
+        self, kernel: int, block_tokens: int, multi_token_only: bool = False
+    ) -> list[ConvBlock]:
+        """Consecutive requests in blocks for a width-``kernel`` causal conv (the decodes
+        left out with ``multi_token_only``); cached."""
+        key = (kernel, block_tokens, multi_token_only)
         if key not in self._conv_blocks:
-            self._conv_blocks[key] = build_conv_blocks(self.step, kernel, block_tokens)
+            self._conv_blocks[key] = build_conv_blocks(
+                self.step, kernel, block_tokens, multi_token_only
+            )
         return self._conv_blocks[key]
 
     def copy_final_captures(self, view: Tensor) -> None:

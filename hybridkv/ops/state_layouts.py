@@ -335,18 +335,31 @@ class ConvBlock:
     capture_pages: Tensor | None  # [Sb]
 
 
-def build_conv_blocks(states: StepRows, kernel: int, block_tokens: int) -> list[ConvBlock]:
-    """Consecutive requests in blocks of about ``block_tokens`` ext rows."""
+def build_conv_blocks(
+    states: StepRows, kernel: int, block_tokens: int, multi_token_only: bool = False
+) -> list[ConvBlock]:
+    """Consecutive requests in blocks of about ``block_tokens`` ext rows; with
+    ``multi_token_only``, the one-token requests (decodes) are left out (a block never
+    spans one: its requests stay consecutive)."""
     keep = kernel - 1
-    bounds, size = [0], 0
+    bounds: list[tuple[int, int]] = []  # [lo, hi) of each block
+    lo, size = None, 0
     for r, n in enumerate(states.lens):
-        if size and size + n + keep > block_tokens:
-            bounds.append(r)
-            size = 0
+        if multi_token_only and n == 1:
+            if lo is not None:
+                bounds.append((lo, r))
+            lo, size = None, 0
+            continue
+        if lo is not None and size and size + n + keep > block_tokens:
+            bounds.append((lo, r))
+            lo, size = None, 0
+        if lo is None:
+            lo = r
         size += n + keep
-    bounds.append(len(states.lens))
+    if lo is not None:
+        bounds.append((lo, len(states.lens)))
     blocks = []
-    for lo, hi in itertools.pairwise(bounds):
+    for lo, hi in bounds:
         wanted = [
             (states.starts[r] + pos, page) for r, pos, page in states.captures if lo <= r < hi
         ]

@@ -27,7 +27,7 @@ from hybridkv.engine.config import EngineConfig
 from hybridkv.layers import packed_linear
 from hybridkv.layers.gated_deltanet import GatedDeltaNet
 from hybridkv.ops import compiled
-from hybridkv.ops.gated_delta_rule import paged as gdn_paged
+from hybridkv.ops.gated_delta_rule import mixer_decode
 from hybridkv.ops.paged_attention import batched as attention_batched
 
 MAX_TOKENS = 10
@@ -113,13 +113,13 @@ def test_packed_weights_keep_every_answer(
 def test_enforce_eager_keeps_every_answer(
     arch: str, checkpoints: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``enforce_eager`` (the gated delta rule's decode step then runs eagerly instead of
+    """``enforce_eager`` (the GDN mixer's decode step then runs eagerly instead of
     compiled, hybridkv.ops.compiled): the multi-turn scenario with the cache on gives the
     same greedy answers as the compiled engine, and transformers'; an engine beside it in
     the process still compiles."""
     hf, path = checkpoints(arch)
     with_compile = run_scenario(LLM(str(path), **OPTIONS))
-    op = gdn_paged._decode_in_pages
+    op = mixer_decode._mixer_decode
     assert op._compiled is not None and not op._failed
     ran: list[bool] = []
     real = op.eager
@@ -147,7 +147,7 @@ def test_serving_compiles_nothing_after_start_up(arch: str, checkpoints: Any) ->
     the multi-turn scenario (batches of one and more, prefills beside decodes) then runs
     the compiled graph and compiles no other, so no request waits for a compile."""
     hf, path = checkpoints(arch)
-    op = gdn_paged._decode_in_pages
+    op = mixer_decode._mixer_decode
     torch._dynamo.reset()  # nothing compiled earlier in the process counts
     op.reset()
     llm = LLM(str(path), **OPTIONS)
@@ -187,18 +187,18 @@ def test_parallel_samples_decode_each_on_its_own_state(
     shared page would be updated three times a step): no decode batch lists a page twice,
     and each sample equals the n = 1 reply and transformers'."""
     hf, path = checkpoints(arch)
-    op = gdn_paged._decode_in_pages
+    op = mixer_decode._mixer_decode
     batches: list[list[int]] = []
 
     class Checked:  # the op, recording each batch's pages
         def __getattr__(self, name: str) -> Any:
             return getattr(op, name)
 
-        def __call__(self, view: Any, source: Any, pages: Any, *rest: Any) -> Any:
-            batches.append(pages.tolist())
-            return op(view, source, pages, *rest)
+        def __call__(self, *args: Any) -> Any:
+            batches.append(args[4].tolist())  # the decodes' pages
+            return op(*args)
 
-    monkeypatch.setattr(gdn_paged, "_decode_in_pages", Checked())
+    monkeypatch.setattr(mixer_decode, "_mixer_decode", Checked())
     llm = LLM(str(path), **DEFAULTS)
     ids = prompt(77, 30)
     single = llm.generate([{"prompt_token_ids": ids}], GREEDY, use_tqdm=False)[0]

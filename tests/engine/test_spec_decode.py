@@ -19,7 +19,7 @@ from hybrid_checks import prompt
 from test_engine_equivalence import assert_all_released, assert_transformers_greedy
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.ops.gated_delta_rule import paged as gdn_paged
+from hybridkv.ops.gated_delta_rule import mixer_decode
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1}
 OPTIONS: dict[str, Any] = {
@@ -180,7 +180,7 @@ def test_a_draft_model_compiles_when_the_engine_starts(copying_checkpoints: Any)
     count them)."""
     _, path = copying_checkpoints("nemotron_h")
     _, draft = copying_checkpoints("qwen3_next")
-    op = gdn_paged._decode_in_pages
+    op = mixer_decode._mixer_decode
     torch._dynamo.reset()  # nothing compiled earlier in the process counts
     op.reset()
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}

@@ -37,6 +37,7 @@ def causal_conv1d_varlen(
     weight: Tensor,
     bias: Tensor | None,
     activation: str | None = None,
+    skip_decodes: bool = False,
 ) -> Tensor:
     """Convolve every request of a step, reading and writing its state page in place.
 
@@ -45,12 +46,17 @@ def causal_conv1d_varlen(
         conv_pages: [num_pages, C, K-1] the layer's state view (any float dtype).
         states: the step's rows, live pages and captures for this layer's group.
         weight: [C, K] depthwise taps; bias: [C] or None. activation: None or "silu".
+        skip_decodes: leave the one-token requests out: their rows of the result unset,
+            their pages and captures untouched (for a layer that runs its decodes
+            through a fused step of its own, and copies their captures itself).
 
     Returns:
         [T, C] in x's dtype.
     """
     out = torch.empty_like(x)
     if needs_grad(x, weight, bias):
+        if skip_decodes:
+            raise ValueError("skip_decodes is for inference steps (no autograd)")
 
         def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
             return causal_conv1d_fn(x[rows], weight, bias, initial, activation)
@@ -59,17 +65,35 @@ def causal_conv1d_varlen(
     taps = weight.float().T.contiguous()  # [K, C]: contiguous rows vectorise the taps
     bias = None if bias is None else bias.float()
     decodes = states.decodes
-    if decodes is not None and decodes.rows.numel() == x.shape[0]:  # every row a decode
+    every_row = decodes is not None and decodes.rows.numel() == x.shape[0]
+    if every_row and not skip_decodes:
+        assert decodes is not None
         y = _decode_step(x, conv_pages, decodes, taps, bias)
         states.copy_final_captures(conv_pages)
         return activate(y.to(weight.dtype), activation)
-    for block in states.conv(weight.shape[1], BLOCK_TOKENS):
+    blocks = [] if every_row else states.conv(weight.shape[1], BLOCK_TOKENS, skip_decodes)
+    for block in blocks:
         fresh = None if states.fresh is None else states.fresh[block.reqs]
         y = _conv_block(
             x[block.rows], conv_pages, states.pages[block.reqs], fresh, block, taps, bias
         )
         out[block.rows] = activate(y.to(weight.dtype), activation)
     return out
+
+
+def conv_decode(
+    x: Tensor,
+    conv_pages: Tensor,
+    decodes: DecodeRows,
+    weight: Tensor,
+    activation: str | None = None,
+) -> Tensor:
+    """One conv step for one-token requests ``x`` [B, C] (the decodes' rows, in order),
+    their states shifted in their pages: [B, C] in x's dtype. The same bits as the
+    block path's rows (:func:`_decode_step`); no bias, no captures."""
+    taps = weight.float().T.contiguous()
+    y = _decode_step(x, conv_pages, decodes, taps, None)
+    return activate(y.to(weight.dtype), activation)
 
 
 def _decode_step(

@@ -134,15 +134,18 @@ def _lone_scratch(view: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return _LONE_SCRATCH.get((view,), derive)
 
 
-# per page view and mode: the view over the same memory that the compiled step reads
+# per page view, role and mode: a tensor over the view's memory (_reading_alias)
 _READ_ALIASES: TensorMemo[Tensor] = TensorMemo()
 
 
-def _reading_alias(view: Tensor) -> Tensor:
+def _reading_alias(view: Tensor, role: str = "read") -> Tensor:
     """``view``'s memory as a tensor of its own storage object (CPU; elsewhere ``view``
-    itself), for the compiled step to read the states from (see
-    :func:`_decode_in_pages_fused`). Made from the address with ``torch.frombuffer``: it
-    owns nothing, and is remembered only while ``view`` (which keeps the memory) lives.
+    itself), for a compiled step to read the states from (see
+    :func:`_decode_in_pages_fused`), or, with another ``role``, to write them through
+    (a step that updates two views of one arena writes one of them through an alias:
+    two mutated inputs on one storage are what dynamo cannot compile, below). Made from
+    the address with ``torch.frombuffer``: it owns nothing, and is remembered only while
+    ``view`` (which keeps the memory) lives; each role is an alias of its own.
     Views of one storage object would not do: torch 2.13 compiles aliased inputs against a
     synthetic base whose size its guards do not check (a second arena of another size then
     failed at run time)."""
@@ -155,7 +158,7 @@ def _reading_alias(view: Tensor) -> Tensor:
         flat = torch.frombuffer(memory, dtype=torch.uint8).view(view.dtype)
         return flat.as_strided(view.shape, view.stride(), view.storage_offset())
 
-    key = (torch.is_inference_mode_enabled(), storage.data_ptr(), storage.nbytes())
+    key = (role, torch.is_inference_mode_enabled(), storage.data_ptr(), storage.nbytes())
     return _READ_ALIASES.get((view,), derive, key)
 
 
@@ -391,6 +394,7 @@ def gated_delta_rule_varlen(
     ssm_pages: Tensor,
     states: StateBatch,
     chunk_size: int = CHUNK_TOKENS,
+    skip_decodes: bool = False,
 ) -> Tensor:
     """Run every request of a step, reading and writing its state page in place.
 
@@ -402,11 +406,17 @@ def gated_delta_rule_varlen(
             Inputs that autograd tracks (training) take transformers' chunk of 64 instead:
             what is trained there is checked against transformers' gradients, whose
             rounding follows its chunking (tests/demo).
+        skip_decodes: leave the one-token requests out, their rows of the result unset
+            (a layer that runs its decodes through a fused step of its own,
+            :mod:`hybridkv.ops.gated_delta_rule.mixer_decode`, before this call: the final
+            captures copied here then include theirs).
 
     Returns:
         [T, Hv, Dv] in v's dtype.
     """
     if needs_grad(q, k, v, g, beta):
+        if skip_decodes:
+            raise ValueError("skip_decodes is for inference steps (no autograd)")
 
         def scan(rows: slice, initial: Tensor | None) -> tuple[Tensor, Tensor]:
             picked = (x[None, rows] for x in (q, k, v, g, beta))
@@ -416,12 +426,14 @@ def gated_delta_rule_varlen(
 
         return scan_each_request(torch.empty_like(v), ssm_pages, states, scan)
     rows = _prepare_rows(q, k, v, g, beta)
-    if states.decodes is not None and states.decodes.rows.numel() == v.shape[0]:
-        out = _decode(rows, ssm_pages, states.decodes, every_row=True)  # a decode-only step
+    decode_only = states.decodes is not None and states.decodes.rows.numel() == v.shape[0]
+    if decode_only and not skip_decodes:
+        assert states.decodes is not None
+        out = _decode(rows, ssm_pages, states.decodes, every_row=True)
         states.copy_final_captures(ssm_pages)
         return out.to(v.dtype)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    if states.decodes is not None:
+    if states.decodes is not None and not skip_decodes:
         index_copy_rows(out, states.decodes.rows, _decode(rows, ssm_pages, states.decodes))
     for layout in states.chunks(chunk_size, BLOCK_TOKENS):  # rows as 16-byte words
         index_copy_rows(out, layout.rows, _chunks(rows, ssm_pages, layout))

@@ -1,0 +1,253 @@
+"""A decode's whole Gated DeltaNet mixer between its projections, as one compiled step.
+
+Between its input and output projections, one token of a GDN mixer eagerly is some sixty
+small ops: the conv update (gather the carried inputs, four taps, shift, write back), the
+SiLU, the q/k l2 norms, the gates, the recurrence and the gated RMSNorm. At decode sizes
+each costs more in dispatch than in arithmetic; compiled (:mod:`hybridkv.ops.compiled`)
+they are one C++ function that reads each request's conv and SSM state from its pages
+once and writes them back. The small Qwen3-Next of issue 13 (6 GDN layers of 1,024 conv
+channels, 8 value heads of 64 x 64, bf16), one thread, decode steps of the engine
+alternating in one process: 8 requests 14.13 -> 13.17 ms a step; the tests' tiny Qwen3.5
+(fp32) 1.77 -> 1.56 ms; 64 requests unchanged (33.5 ms). The head sizes are compiled as
+constants (the page views and weights are marked static): with every size symbolic the
+same graph ran 2-3x slower (index arithmetic and tail loops in every inner loop).
+
+Every decode of every step runs here, the decode rows of mixed steps as well as
+decode-only steps, so a generated token's result never depends on what shares its step:
+caching on and off put requests in different steps and must agree exactly. The batch size
+is unbacked (never specialised), so a lone decode runs the same graph as a batch.
+
+The compiled form reads the pages through aliases of their own storage and writes the
+conv states through another (:func:`~hybridkv.ops.gated_delta_rule.paged._reading_alias`):
+both state views are views of one arena, and dynamo cannot compile two mutated inputs of
+one storage. Each row needs a page of its own (the engine's decodes have: parallel samples
+copy their state at admission), as for the recurrence alone.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from hybridkv.ops.causal_conv1d.paged import conv_decode
+from hybridkv.ops.compiled import CompiledOp
+from hybridkv.ops.gated_delta_rule.naive import l2norm
+from hybridkv.ops.gated_delta_rule.paged import (
+    WARM_UP_BATCH,
+    _decode_in_pages_eager,
+    _per_v_head,
+    _prepare_rows,
+    _reading_alias,
+)
+from hybridkv.ops.gated_norm import gated_rms_norm
+from hybridkv.ops.paged_state import DecodeRows
+from hybridkv.ops.row_copy import index_copy_rows
+from hybridkv.ops.tensor_memo import TensorMemo
+
+
+class MixerWeights(NamedTuple):
+    """A GDN layer's parameters the decode step reads (its projections stay outside)."""
+
+    conv: Tensor  # [C, 1, K] depthwise conv weight (no bias)
+    a_log: Tensor  # [Hv]
+    dt_bias: Tensor  # [Hv]
+    norm: Tensor  # [Dv] gated RMSNorm weight
+    norm_eps: float
+
+
+def _mixer_decode_fused(
+    x: Tensor,
+    z: Tensor,
+    b: Tensor,
+    a: Tensor,
+    pages: Tensor,
+    fresh: Tensor,
+    conv_view: Tensor,
+    conv_source: Tensor,
+    ssm_view: Tensor,
+    ssm_source: Tensor,
+    conv_weight: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The decodes' mixer outputs [B, Hv * Dv] in ``x``'s dtype, their states updated
+    (and their q, k [B, Hv, Dk] and v [B, Hv, Dv] in fp32, below).
+
+    ``x`` [B, C] (the conv's input), ``z`` [B, Hv, Dv], ``b``, ``a`` [B, Hv]: the decodes'
+    projections, contiguous; ``pages`` [B] their live pages,
+    ``fresh`` [B] bool: start from zeros (masked, never multiplied: NaN garbage in a fresh
+    page stays out). ``conv_view`` [P, C, K-1] and ``ssm_view`` [P, Hv, Dk, Dv] are written,
+    ``conv_source`` and ``ssm_source`` (the same memory) read. Each op rounds where the
+    eager layer does: the conv sums in fp32 tap by tap (newest input first, then the carried
+    ones oldest first) rounded to the model dtype before the SiLU, beta rounded there
+    too, the recurrence in fp32, its output rounded before the gated norm.
+    """
+    heads, k_dim, v_dim = ssm_view.shape[1:]
+    keep = conv_view.shape[2]
+    key_dim = (conv_view.shape[1] - heads * v_dim) // 2
+    k_heads = key_dim // k_dim
+    taps = conv_weight[:, 0, :].float().T  # [K, C]
+
+    # read through the tensor written below: nothing else orders this read before that
+    # write (an alias would let the write, which needs only these values, run first)
+    carried = conv_view[pages].masked_fill(fresh[:, None, None], 0.0)  # [B, C, K-1]
+    acc = x.float() * taps[keep]
+    for tap in range(keep):
+        acc = acc + carried[:, :, tap].float() * taps[tap]
+    conv_view[pages] = torch.cat([carried[:, :, 1:], x[:, :, None].to(conv_view.dtype)], dim=2)
+    y = F.silu(acc.to(x.dtype))
+
+    # unflatten, not reshape: a reshape of an unbacked batch makes inductor guard its size
+    q = l2norm(y[:, :key_dim].unflatten(1, (k_heads, k_dim)).float()) * k_dim**-0.5
+    k = l2norm(y[:, key_dim : 2 * key_dim].unflatten(1, (k_heads, k_dim)).float())
+    v = y[:, 2 * key_dim :].unflatten(1, (heads, v_dim)).float()
+    q, k = _per_v_head(q, heads), _per_v_head(k, heads)
+    beta = b.sigmoid().float()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+
+    # S' = d S + k delta^T with delta = beta (v - d S^T k), and S'^T q = d S^T q + (k . q)
+    # delta (paged._decode_in_pages_fused): both reads of S are one pass over it
+    state = ssm_source[pages].float().masked_fill(fresh[:, None, None, None], 0.0)
+    decay = g.exp()[..., None]  # [B, Hv, 1]
+    s_k = (state * k[..., None]).sum(-2)  # [B, Hv, Dv]
+    s_q = (state * q[..., None]).sum(-2)
+    delta = (v - decay * s_k) * beta[..., None]
+    out = decay * s_q + (k * q).sum(-1, keepdim=True) * delta
+    new_state = state * decay[..., None] + k[..., None] * delta[..., None, :]
+    ssm_view[pages] = new_state.to(ssm_view.dtype)
+
+    # q, k and v returned too, though no caller reads them: a graph's outputs are buffers,
+    # computed once, where inductor would otherwise recompute the conv and the norms that
+    # make them inside the state loops, for every value column (64 decodes of the small
+    # Qwen3-Next: 1,208 -> 1,036 us a layer, cold pages)
+    return gated_rms_norm(out.to(x.dtype), z, norm_weight, eps).flatten(1), q, k, v
+
+
+def _mixer_decode_eager(
+    x: Tensor,
+    z: Tensor,
+    b: Tensor,
+    a: Tensor,
+    pages: Tensor,
+    fresh: Tensor,
+    conv_view: Tensor,
+    conv_source: Tensor,
+    ssm_view: Tensor,
+    ssm_source: Tensor,
+    conv_weight: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    norm_weight: Tensor,
+    eps: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`_mixer_decode_fused` from the eager layer's own ops (the conv's decode step,
+    the recurrence's eager form, the gated norm): where compiling is off or fails."""
+    heads, k_dim, v_dim = ssm_view.shape[1:]
+    key_dim = (conv_view.shape[1] - heads * v_dim) // 2
+    decodes = DecodeRows(rows=pages, pages=pages, fresh=fresh)  # (rows: unused)
+    y = conv_decode(x, conv_view, decodes, conv_weight[:, 0, :], "silu")
+    batch = y.shape[0]
+    q, k, v = y.split([key_dim, key_dim, heads * v_dim], dim=-1)
+    beta = b.sigmoid()
+    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    q, k, v, g, beta = _prepare_rows(
+        q.reshape(batch, -1, k_dim), k.reshape(batch, -1, k_dim), v.reshape(batch, heads, v_dim),
+        g, beta,
+    )  # fmt: skip
+    q, k = _per_v_head(q, heads).contiguous(), _per_v_head(k, heads).contiguous()
+    out = _decode_in_pages_eager(ssm_view, ssm_view, pages, fresh, q, k, v.contiguous(), g, beta)
+    gated = gated_rms_norm(out.to(x.dtype), z, norm_weight, eps).flatten(1)
+    return gated, q, k, v
+
+
+_mixer_decode = CompiledOp(_mixer_decode_fused, _mixer_decode_eager)
+
+# per decodes' pages: an all-False fresh mask (the graph always takes one: dynamo would
+# compile another for None)
+_NONE_FRESH: TensorMemo[Tensor] = TensorMemo()
+
+
+def _static_sizes(*tensors: Tensor) -> None:
+    """Compile every size of these long-lived tensors (page views and their aliases) as a
+    constant except the first (their number of pages); marked once per tensor."""
+    for t in tensors:
+        if not hasattr(t, "_dynamo_static_indices"):
+            for dim in range(1, t.dim()):
+                torch._dynamo.mark_static(t, dim)
+
+
+def _unbacked_batch(*tensors: Tensor) -> None:
+    """The decodes' batch size (these tensors' first) as an unbacked size: one graph for
+    a batch of any size, one included (dynamo would specialise a size of one)."""
+    for t in tensors:
+        if not hasattr(t, "_dynamo_unbacked_indices"):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+
+
+def gated_deltanet_decode(
+    qkv: Tensor,
+    z: Tensor,
+    b: Tensor,
+    a: Tensor,
+    decodes: DecodeRows,
+    conv_pages: Tensor,
+    ssm_pages: Tensor,
+    weights: MixerWeights,
+) -> Tensor:
+    """The mixer outputs [B, Hv * Dv] of a step's decodes (``decodes.rows`` of the step's
+    projections ``qkv`` [T, C], ``z`` [T, Hv, Dv], ``b``, ``a`` [T, Hv]), their conv and
+    SSM states updated in their pages. Captures are the caller's: every capture of a
+    decode is at its last row (``StateBatch.copy_final_captures`` after this call)."""
+    rows, pages, fresh = decodes
+    if fresh is None:
+        fresh = _NONE_FRESH.get(
+            (pages,), lambda: torch.zeros(pages.shape, dtype=torch.bool, device=pages.device)
+        )
+    # picked even when every row is a decode: the graph is compiled for rows of standard
+    # strides, which a projection's split (or contiguous() of one row) does not give
+    inputs = [t.index_select(0, rows) for t in (qkv, z, b, a)]
+    params = (weights.conv, weights.a_log, weights.dt_bias, weights.norm, weights.norm_eps)
+    if not _mixer_decode.will_compile() or conv_pages.device.type != "cpu":
+        out, *_ = _mixer_decode.eager(
+            *inputs, pages, fresh, conv_pages, conv_pages, ssm_pages, ssm_pages, *params
+        )
+        return out
+    conv_write, conv_read = _reading_alias(conv_pages, "write"), _reading_alias(conv_pages)
+    ssm_read = _reading_alias(ssm_pages)
+    _static_sizes(conv_write, conv_read, ssm_pages, ssm_read)
+    _unbacked_batch(*inputs, pages, fresh)
+    out, *_ = _mixer_decode(
+        *inputs, pages, fresh, conv_write, conv_read, ssm_pages, ssm_read, *params
+    )
+    return out
+
+
+def warm_up_mixer_decode(
+    conv_pages: Tensor, ssm_pages: Tensor, weights: MixerWeights, dtype: torch.dtype
+) -> None:
+    """Compile the decode step for these page views and weights before serving, on the
+    views' first pages, whose bytes are put back (a poisoned cache stays poisoned); the
+    projections zeros of ``dtype``. No-op where the step runs eagerly."""
+    if not _mixer_decode.will_compile() or conv_pages.device.type != "cpu":
+        return
+    device = conv_pages.device
+    heads, _, v_dim = ssm_pages.shape[1:]
+    channels = conv_pages.shape[1]
+    with torch.inference_mode():  # as the engine's steps: dynamo compiles per mode
+        batch = min(WARM_UP_BATCH, conv_pages.shape[0], ssm_pages.shape[0])
+        pages = torch.arange(batch, device=device)
+        saved = conv_pages.index_select(0, pages), ssm_pages.index_select(0, pages)
+        num_rows = batch + 2  # rows of the decodes and of some prefill beside them
+        rows = torch.arange(batch, device=device) + 1
+        qkv = torch.zeros(num_rows, channels, dtype=dtype, device=device)
+        z = torch.zeros(num_rows, heads, v_dim, dtype=dtype, device=device)
+        b, a = (torch.zeros(num_rows, heads, dtype=dtype, device=device) for _ in range(2))
+        decodes = DecodeRows(rows=rows, pages=pages, fresh=None)
+        gated_deltanet_decode(qkv, z, b, a, decodes, conv_pages, ssm_pages, weights)
+        index_copy_rows(conv_pages, pages, saved[0])
+        index_copy_rows(ssm_pages, pages, saved[1])
