@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.forward.batch import ForwardBatch
@@ -26,6 +25,7 @@ from hybridkv.ops.gated_delta_rule import gated_delta_rule_varlen
 from hybridkv.ops.gated_delta_rule.mixer_decode import (
     MixerWeights,
     gated_deltanet_decode,
+    gates,
     warm_up_mixer_decode,
 )
 from hybridkv.ops.paged_state import needs_grad
@@ -114,8 +114,7 @@ class GatedDeltaNet(nn.Module):
         q = q.reshape(num_tokens, cfg.num_k_heads, cfg.k_head_dim)
         k = k.reshape(num_tokens, cfg.num_k_heads, cfg.k_head_dim)
         v = v.reshape(num_tokens, cfg.num_v_heads, cfg.v_head_dim)
-        beta = b.sigmoid()  # [T, Hv]
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [T, Hv] log decay
+        g, beta = gates(a, b, self.A_log, self.dt_bias)  # [T, Hv] each
         o = gated_delta_rule_varlen(q, k, v, g, beta, state["ssm"], states, skip_decodes=fused)
         o = self.norm(o.reshape(-1, cfg.v_head_dim), z.reshape(-1, cfg.v_head_dim))
         o = o.reshape(num_tokens, cfg.value_dim)

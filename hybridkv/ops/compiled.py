@@ -6,12 +6,14 @@ eager torch cannot fuse: the one-token recurrence of the gated delta rule reads 
 states from their pages, converts them to fp32, decays, updates and reads them, converts
 back and writes them, eight passes over ~8 MB per layer at 64 requests. Compiled, the
 chain is one loop that reads and writes each state once (measurements in the commit that
-added this module and in docs/architecture.md).
+added this module and in docs/architecture.md); the GDN mixer's decode step
+(:mod:`hybridkv.ops.gated_delta_rule.mixer_decode`) compiles it with the rest of a
+decode's mixer, some sixty small ops eagerly.
 
 A compiled op traces on its first call and compiles C++ (CPU) for it, once per process
 for each dtype and layout; shapes are dynamic, so a new batch size or model of the same
 layout compiles nothing, except that dynamo specialises a size of one and None arguments
-(the GDN decode avoids both: it runs a lone request as a batch of two and always passes
+(the GDN mixer's decode step avoids both: its batch size is unbacked and it always passes
 its mask). An op that knows its layouts ahead compiles them when the engine starts
 (``warm_up`` functions beside the op, called by the layers' ``warm_up_compiled`` from the
 model runner), so serving never waits for a compile. Inductor keeps compiled code in its

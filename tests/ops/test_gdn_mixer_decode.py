@@ -182,7 +182,8 @@ def test_a_decode_does_not_depend_on_what_shares_its_step(
 ) -> None:
     """Cache on and off put a request's decodes in different steps: each decode's output
     and states must be the same bits alone, in a decode-only step and among a mixed
-    step's rows, in one compiled graph (a batch of one is not specialised)."""
+    step's rows, in one compiled graph (a batch of one is not specialised); alone, it
+    writes not a byte of the arena (other pages, other caches) but its own states."""
     dtype = torch.bfloat16
     pages = [3, 8, 1, 6]
     w = weights(dtype)
@@ -201,6 +202,8 @@ def test_a_decode_does_not_depend_on_what_shares_its_step(
         assert alone.shape == (1, V_HEADS * V_DIM) and torch.equal(alone[0], mixed[i])
         mine = page_bytes(alone_arena, conv, [page]) | page_bytes(alone_arena, ssm, [page])
         assert torch.equal(alone_arena[mine], mixed_arena[mine])
+        untouched = group_pages(10, dtype)[0]  # not a byte of the arena but its own states
+        assert torch.equal(alone_arena[~mine], untouched[~mine])
     assert fresh_compile.num_compiled_calls == 2 + len(rows)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs + 1
 
@@ -272,3 +275,26 @@ def test_the_varlen_ops_can_skip_the_decodes() -> None:
     before, _, _ = group_pages(8, dtype)
     assert torch.equal(skipped_arena[decoded], before[decoded])
     assert torch.equal(skipped_arena[~decoded], full_arena[~decoded])
+
+
+def test_the_reading_alias_follows_its_view() -> None:
+    """The compiled step reaches a page view through other tensors over its memory: same
+    values and layout, a storage object of their own (so dynamo treats them as distinct
+    inputs), one per role, remembered per view and mode, and dropped with the view."""
+    arena = torch.randn(5, 2, 3, 4, 6).to(torch.bfloat16)
+    view = arena[:, 1]
+    alias = fused._reading_alias(view)
+    assert alias.data_ptr() == view.data_ptr() and alias.stride() == view.stride()
+    assert torch.equal(alias, view)
+    assert alias.untyped_storage()._cdata != view.untyped_storage()._cdata
+    view[2, 1, 0, 0] = 7.0
+    assert alias[2, 1, 0, 0] == 7.0  # the same memory
+    assert fused._reading_alias(view) is alias
+    writer = fused._reading_alias(view, "write")
+    assert writer is not alias and writer.untyped_storage()._cdata != alias.untyped_storage()._cdata
+    with torch.inference_mode():
+        assert fused._reading_alias(view) is not alias
+    assert (view,) in fused._READ_ALIASES
+    before = len(fused._READ_ALIASES)
+    del view, alias, writer
+    assert len(fused._READ_ALIASES) == before - 3  # both roles, both modes' read alias

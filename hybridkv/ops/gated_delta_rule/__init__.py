@@ -12,12 +12,11 @@ from hybridkv.ops.gated_delta_rule.naive import (
     l2norm,
     recurrent_gated_delta_rule,
 )
-from hybridkv.ops.gated_delta_rule.paged import gated_delta_rule_varlen, warm_up_decode
+from hybridkv.ops.gated_delta_rule.paged import gated_delta_rule_varlen
 
 __all__ = [
     "chunk_gated_delta_rule",
     "gated_delta_rule_varlen",
     "l2norm",
     "recurrent_gated_delta_rule",
-    "warm_up_decode",
 ]

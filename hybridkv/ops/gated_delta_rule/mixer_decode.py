@@ -5,27 +5,38 @@ small ops: the conv update (gather the carried inputs, four taps, shift, write b
 SiLU, the q/k l2 norms, the gates, the recurrence and the gated RMSNorm. At decode sizes
 each costs more in dispatch than in arithmetic; compiled (:mod:`hybridkv.ops.compiled`)
 they are one C++ function that reads each request's conv and SSM state from its pages
-once and writes them back. The small Qwen3-Next of issue 13 (6 GDN layers of 1,024 conv
-channels, 8 value heads of 64 x 64, bf16), one thread, decode steps of the engine
-alternating in one process: 8 requests 14.13 -> 13.17 ms a step; the tests' tiny Qwen3.5
-(fp32) 1.77 -> 1.56 ms; 64 requests unchanged (33.5 ms). The head sizes are compiled as
-constants (the page views and weights are marked static): with every size symbolic the
-same graph ran 2-3x slower (index arithmetic and tail loops in every inner loop).
+once and writes them back. Against the layer's former eager ops (with the recurrence
+compiled on its own), alternating steps in one process, one thread: the small Qwen3-Next
+of issue 13 (6 GDN layers of 1,024 conv channels, 8 value heads of 64 x 64, bf16) 3.8%
+less per decode step at 8 requests and 1.8% at 64; the tests' tiny Qwen3.5 (fp32) 9% and
+0.6% (benchmarks/README.md).
 
 Every decode of every step runs here, the decode rows of mixed steps as well as
-decode-only steps, so a generated token's result never depends on what shares its step:
-caching on and off put requests in different steps and must agree exactly. The batch size
-is unbacked (never specialised), so a lone decode runs the same graph as a batch.
+decode-only steps, so a generated token's result does not depend on what shares its step:
+caching on and off put requests in different steps and must agree exactly. That holds
+for the compiled form (tested: a row alone, in a batch, among a mixed step's rows, the
+same bits); the eager form (``enforce_eager``, no compiler, other devices) is the layer's
+former ops, whose ATen kernels can round a row differently with the batch's size, as
+before. Three things make the graph fast and single: the page views are marked static, so
+head sizes compile as constants (with every size symbolic the same graph ran 2-3x
+slower); the batch size is unbacked, so a lone decode runs the same graph; and q, k, v
+are returned beside the result, so inductor computes them once (see the fused form).
 
-The compiled form reads the pages through aliases of their own storage and writes the
-conv states through another (:func:`~hybridkv.ops.gated_delta_rule.paged._reading_alias`):
-both state views are views of one arena, and dynamo cannot compile two mutated inputs of
-one storage. Each row needs a page of its own (the engine's decodes have: parallel samples
-copy their state at admission), as for the recurrence alone.
+The SSM states are read through an alias of their own storage
+(:func:`_reading_alias`) and written through the view: read through the tensor it
+writes, inductor would write the new states to a temporary and copy them in a second
+pass. Their write needs the reduction over the same states (``S^T k``), which inductor
+computes in one pass with ``S^T q``, so both reads come first (the compiled-vs-eager test
+would see them reordered). The conv states are read and written through one tensor, an
+alias too (two mutated inputs over one storage are what dynamo cannot compile): read
+through another, their write, which needs nothing but the values read, could run before
+the conv sums read them. Each row needs a page of its own, which the engine's decodes
+have (parallel samples copy their state at admission).
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import NamedTuple
 
 import torch
@@ -35,17 +46,15 @@ from torch import Tensor
 from hybridkv.ops.causal_conv1d.paged import conv_decode
 from hybridkv.ops.compiled import CompiledOp
 from hybridkv.ops.gated_delta_rule.naive import l2norm
-from hybridkv.ops.gated_delta_rule.paged import (
-    WARM_UP_BATCH,
-    _decode_in_pages_eager,
-    _per_v_head,
-    _prepare_rows,
-    _reading_alias,
-)
+from hybridkv.ops.gated_delta_rule.paged import _per_v_head, _prepare_rows, decode_in_pages
 from hybridkv.ops.gated_norm import gated_rms_norm
 from hybridkv.ops.paged_state import DecodeRows
 from hybridkv.ops.row_copy import index_copy_rows
 from hybridkv.ops.tensor_memo import TensorMemo
+
+# rows of the warm-up's batch: a size no model dimension has (dynamo ties sizes that are
+# equal when it traces)
+WARM_UP_BATCH = 13
 
 
 class MixerWeights(NamedTuple):
@@ -58,6 +67,13 @@ class MixerWeights(NamedTuple):
     norm_eps: float
 
 
+def gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """(g, beta) of GDN rows from their projections ``a``, ``b`` [T, Hv]: the log decay
+    ``-exp(A_log) * softplus(a + dt_bias)`` in fp32 and the write strength ``sigmoid(b)``
+    in ``b``'s dtype (transformers' roundings)."""
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
+
+
 def _mixer_decode_fused(
     x: Tensor,
     z: Tensor,
@@ -66,7 +82,6 @@ def _mixer_decode_fused(
     pages: Tensor,
     fresh: Tensor,
     conv_view: Tensor,
-    conv_source: Tensor,
     ssm_view: Tensor,
     ssm_source: Tensor,
     conv_weight: Tensor,
@@ -81,8 +96,8 @@ def _mixer_decode_fused(
     ``x`` [B, C] (the conv's input), ``z`` [B, Hv, Dv], ``b``, ``a`` [B, Hv]: the decodes'
     projections, contiguous; ``pages`` [B] their live pages,
     ``fresh`` [B] bool: start from zeros (masked, never multiplied: NaN garbage in a fresh
-    page stays out). ``conv_view`` [P, C, K-1] and ``ssm_view`` [P, Hv, Dk, Dv] are written,
-    ``conv_source`` and ``ssm_source`` (the same memory) read. Each op rounds where the
+    page stays out). ``conv_view`` [P, C, K-1] is read and written, ``ssm_view``
+    [P, Hv, Dk, Dv] written and ``ssm_source`` (its memory) read. Each op rounds where the
     eager layer does: the conv sums in fp32 tap by tap (newest input first, then the carried
     ones oldest first) rounded to the model dtype before the SiLU, beta rounded there
     too, the recurrence in fp32, its output rounded before the gated norm.
@@ -107,11 +122,11 @@ def _mixer_decode_fused(
     k = l2norm(y[:, key_dim : 2 * key_dim].unflatten(1, (k_heads, k_dim)).float())
     v = y[:, 2 * key_dim :].unflatten(1, (heads, v_dim)).float()
     q, k = _per_v_head(q, heads), _per_v_head(k, heads)
-    beta = b.sigmoid().float()
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    g, beta = gates(a, b, a_log, dt_bias)
+    beta = beta.float()
 
     # S' = d S + k delta^T with delta = beta (v - d S^T k), and S'^T q = d S^T q + (k . q)
-    # delta (paged._decode_in_pages_fused): both reads of S are one pass over it
+    # delta: both reads of S are one pass over it, the write of S' a second
     state = ssm_source[pages].float().masked_fill(fresh[:, None, None, None], 0.0)
     decay = g.exp()[..., None]  # [B, Hv, 1]
     s_k = (state * k[..., None]).sum(-2)  # [B, Hv, Dv]
@@ -136,7 +151,6 @@ def _mixer_decode_eager(
     pages: Tensor,
     fresh: Tensor,
     conv_view: Tensor,
-    conv_source: Tensor,
     ssm_view: Tensor,
     ssm_source: Tensor,
     conv_weight: Tensor,
@@ -145,27 +159,61 @@ def _mixer_decode_eager(
     norm_weight: Tensor,
     eps: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`_mixer_decode_fused` from the eager layer's own ops (the conv's decode step,
-    the recurrence's eager form, the gated norm): where compiling is off or fails."""
+    """:func:`_mixer_decode_fused` from the layer's eager ops (the conv's decode step, the
+    eager recurrence, the gated norm; ``ssm_source`` unused): where compiling is off or
+    fails. The same bits as the layer's former decode-only steps (tested)."""
     heads, k_dim, v_dim = ssm_view.shape[1:]
     key_dim = (conv_view.shape[1] - heads * v_dim) // 2
     decodes = DecodeRows(rows=pages, pages=pages, fresh=fresh)  # (rows: unused)
     y = conv_decode(x, conv_view, decodes, conv_weight[:, 0, :], "silu")
     batch = y.shape[0]
     q, k, v = y.split([key_dim, key_dim, heads * v_dim], dim=-1)
-    beta = b.sigmoid()
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    g, beta = gates(a, b, a_log, dt_bias)
     q, k, v, g, beta = _prepare_rows(
         q.reshape(batch, -1, k_dim), k.reshape(batch, -1, k_dim), v.reshape(batch, heads, v_dim),
         g, beta,
     )  # fmt: skip
     q, k = _per_v_head(q, heads).contiguous(), _per_v_head(k, heads).contiguous()
-    out = _decode_in_pages_eager(ssm_view, ssm_view, pages, fresh, q, k, v.contiguous(), g, beta)
+    out = decode_in_pages(ssm_view, pages, fresh, q, k, v.contiguous(), g, beta)
     gated = gated_rms_norm(out.to(x.dtype), z, norm_weight, eps).flatten(1)
     return gated, q, k, v
 
 
 _mixer_decode = CompiledOp(_mixer_decode_fused, _mixer_decode_eager)
+
+# per page view, role and mode: a tensor over the view's memory (_reading_alias)
+_READ_ALIASES: TensorMemo[Tensor] = TensorMemo()
+
+
+def _reading_alias(view: Tensor, role: str = "read") -> Tensor:
+    """``view``'s memory as a tensor of its own storage object, for the compiled step to
+    read or write the states through (module doc); each role an alias of its own. Made
+    from the address with ``torch.frombuffer``: it owns nothing, and is remembered only
+    while ``view`` (which keeps the memory) lives. Views of one storage object would not
+    do: torch 2.13 compiles aliased inputs against a synthetic base whose size its guards
+    do not check (a second arena of another size then failed at run time). CPU only: the
+    step runs its eager form elsewhere."""
+    storage = view.untyped_storage()
+
+    def derive() -> Tensor:
+        memory = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
+        flat = torch.frombuffer(memory, dtype=torch.uint8).view(view.dtype)
+        return flat.as_strided(view.shape, view.stride(), view.storage_offset())
+
+    key = (role, torch.is_inference_mode_enabled(), storage.data_ptr(), storage.nbytes())
+    return _READ_ALIASES.get((view,), derive, key)
+
+
+def _compiles(*views: Tensor) -> bool:
+    """Whether the step runs compiled on these page views: while compiling is on, on CPU
+    views whose storage is whole elements of their dtype (where the aliases can be made)."""
+    return _mixer_decode.will_compile() and all(
+        v.device.type == "cpu"
+        and v.numel() > 0
+        and v.untyped_storage().nbytes() % v.element_size() == 0
+        for v in views
+    )
+
 
 # per decodes' pages: an all-False fresh mask (the graph always takes one: dynamo would
 # compile another for None)
@@ -212,18 +260,15 @@ def gated_deltanet_decode(
     # strides, which a projection's split (or contiguous() of one row) does not give
     inputs = [t.index_select(0, rows) for t in (qkv, z, b, a)]
     params = (weights.conv, weights.a_log, weights.dt_bias, weights.norm, weights.norm_eps)
-    if not _mixer_decode.will_compile() or conv_pages.device.type != "cpu":
+    if not _compiles(conv_pages, ssm_pages):
         out, *_ = _mixer_decode.eager(
-            *inputs, pages, fresh, conv_pages, conv_pages, ssm_pages, ssm_pages, *params
+            *inputs, pages, fresh, conv_pages, ssm_pages, ssm_pages, *params
         )
         return out
-    conv_write, conv_read = _reading_alias(conv_pages, "write"), _reading_alias(conv_pages)
-    ssm_read = _reading_alias(ssm_pages)
-    _static_sizes(conv_write, conv_read, ssm_pages, ssm_read)
+    conv, ssm_read = _reading_alias(conv_pages, "write"), _reading_alias(ssm_pages)
+    _static_sizes(conv, ssm_pages, ssm_read)
     _unbacked_batch(*inputs, pages, fresh)
-    out, *_ = _mixer_decode(
-        *inputs, pages, fresh, conv_write, conv_read, ssm_pages, ssm_read, *params
-    )
+    out, *_ = _mixer_decode(*inputs, pages, fresh, conv, ssm_pages, ssm_read, *params)
     return out
 
 
@@ -233,7 +278,7 @@ def warm_up_mixer_decode(
     """Compile the decode step for these page views and weights before serving, on the
     views' first pages, whose bytes are put back (a poisoned cache stays poisoned); the
     projections zeros of ``dtype``. No-op where the step runs eagerly."""
-    if not _mixer_decode.will_compile() or conv_pages.device.type != "cpu":
+    if not _compiles(conv_pages, ssm_pages):
         return
     device = conv_pages.device
     heads, _, v_dim = ssm_pages.shape[1:]

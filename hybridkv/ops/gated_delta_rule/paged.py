@@ -15,12 +15,9 @@ A captured state after row ``j`` of a chunk that starts from state ``S``::
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 from torch import Tensor
 
-from hybridkv.ops.compiled import CompiledOp
 from hybridkv.ops.exp import decay_exp_
 from hybridkv.ops.gated_delta_rule.naive import chunk_gated_delta_rule, l2norm
 from hybridkv.ops.paged_state import (
@@ -33,7 +30,6 @@ from hybridkv.ops.paged_state import (
 )
 from hybridkv.ops.row_copy import index_copy_rows
 from hybridkv.ops.state_layouts import ChunkLayout, StepCaptures
-from hybridkv.ops.tensor_memo import TensorMemo
 
 BLOCK_TOKENS = 512  # padded rows per block of requests (keeps the chunk tensors in cache)
 # Rows per chunk of the chunked form. FLA's GPU kernels use 64; on the CPU 16 is faster at
@@ -70,101 +66,24 @@ def _decode(
     every_row: bool = False,
 ) -> Tensor:
     """One recurrence step for every decode, states updated in their pages: [B, Hv, Dv].
-    ``every_row``: the step's rows are exactly the decodes, in order (nothing to pick)."""
+    ``every_row``: the step's rows are exactly the decodes, in order (nothing to pick).
+
+    The serving layers run their decodes through the GDN mixer's fused step instead
+    (:mod:`hybridkv.ops.gated_delta_rule.mixer_decode`, which compiles this recurrence with
+    the rest of the mixer); this eager form serves the op's other callers (tests, the
+    op benchmark) and that step's eager form.
+    """
     if every_row:  # contiguous, as index_select's copies are (the views below need it)
         q, k, v, g, beta = (x.contiguous() for x in rows)
     else:
         q, k, v, g, beta = (x.index_select(0, decodes.rows) for x in rows)  # [B, H, ...]
-    q, k = _per_v_head(q, v.shape[1]), _per_v_head(k, v.shape[1])
-    pages, fresh = decodes.pages, decodes.fresh
-    if not _decode_in_pages.will_compile():
-        return _decode_in_pages(view, view, pages, fresh, q, k, v, g, beta)
-    # One compiled graph for every step: dynamo compiles a graph per None-ness and one for
-    # a batch of size one, ~1.5 s each at start-up (~5 s on a cold cache). So the mask is
-    # always given, and a lone request runs beside an idle row (_decode_alone).
-    if fresh is None:
-        fresh = torch.zeros(pages.shape, dtype=torch.bool, device=pages.device)
-    if pages.numel() == 1:
-        return _decode_alone(view, pages, fresh, q, k, v, g, beta)
-    return _decode_in_pages(view, _reading_alias(view), pages, fresh, q, k, v, g, beta)
+    q = _per_v_head(q, v.shape[1]).contiguous()
+    k = _per_v_head(k, v.shape[1]).contiguous()
+    return decode_in_pages(view, decodes.pages, decodes.fresh, q, k, v, g, beta)
 
 
-def _decode_alone(view: Tensor, pages: Tensor, fresh: Tensor, *rows: Tensor) -> Tensor:
-    """A lone decode as the compiled graph's batch of two, on two scratch pages laid out
-    as ``view``'s (same strides and offset, so the same graph runs): its state copied to
-    the first, an idle row (zero inputs, a fresh state) on the second, the new state
-    copied back. Not on the pages of ``view``: the step updates each page in place, so the
-    request's own page listed twice would be updated twice, and any other page of the
-    view may be another group's memory (its bytes must not even be rewritten: the view
-    spans the whole arena). Same kernel, same bits as in a batch."""
-    scratch, both, idle = _lone_scratch(view)
-    scratch[:1].copy_(view.index_select(0, pages))
-    paired = [torch.cat([fresh, idle]), *(torch.cat([x, torch.zeros_like(x)]) for x in rows)]
-    out = _decode_in_pages(scratch, _reading_alias(scratch), both, *paired)[:1]
-    index_copy_rows(view, pages, scratch[:1])
-    return out
-
-
-# per page view: (two pages laid out as the view's, their ids [0, 1], the idle row's
-# fresh flag [True]), for a lone decode
-_LONE_SCRATCH: TensorMemo[tuple[Tensor, Tensor, Tensor]] = TensorMemo()
-
-
-def _lone_scratch(view: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Two pages with ``view``'s strides and storage offset, their page ids and the idle
-    row's fresh flag (remembered per view). Its
-    memory spans a page of the arena and a state, but only the two states are ever
-    written: left empty, the rest is never touched (not resident). The idle row's state is
-    masked as fresh, so whatever its slot holds is never read into a result."""
-
-    def derive() -> tuple[Tensor, Tensor, Tensor]:
-        shape = (2, *view.shape[1:])
-        extent = view.storage_offset() + 1
-        extent += sum((n - 1) * st for n, st in zip(shape, view.stride(), strict=True))
-        # built as the engine's views are (an as_strided view of a byte arena seen in the
-        # dtype), an inference tensor or not as the view is: dynamo guards on both
-        with torch.inference_mode(view.is_inference()):
-            arena = torch.empty(extent * view.element_size(), dtype=torch.uint8, device=view.device)
-            scratch = torch.as_strided(
-                arena.view(view.dtype), shape, view.stride(), view.storage_offset()
-            )
-        both = torch.arange(2, device=view.device)
-        return scratch, both, torch.ones(1, dtype=torch.bool, device=view.device)
-
-    return _LONE_SCRATCH.get((view,), derive)
-
-
-# per page view, role and mode: a tensor over the view's memory (_reading_alias)
-_READ_ALIASES: TensorMemo[Tensor] = TensorMemo()
-
-
-def _reading_alias(view: Tensor, role: str = "read") -> Tensor:
-    """``view``'s memory as a tensor of its own storage object (CPU; elsewhere ``view``
-    itself), for a compiled step to read the states from (see
-    :func:`_decode_in_pages_fused`), or, with another ``role``, to write them through
-    (a step that updates two views of one arena writes one of them through an alias:
-    two mutated inputs on one storage are what dynamo cannot compile, below). Made from
-    the address with ``torch.frombuffer``: it owns nothing, and is remembered only while
-    ``view`` (which keeps the memory) lives; each role is an alias of its own.
-    Views of one storage object would not do: torch 2.13 compiles aliased inputs against a
-    synthetic base whose size its guards do not check (a second arena of another size then
-    failed at run time)."""
-    storage = view.untyped_storage()
-    if view.device.type != "cpu" or view.numel() == 0 or storage.nbytes() % view.element_size():
-        return view
-
-    def derive() -> Tensor:
-        memory = (ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())
-        flat = torch.frombuffer(memory, dtype=torch.uint8).view(view.dtype)
-        return flat.as_strided(view.shape, view.stride(), view.storage_offset())
-
-    key = (role, torch.is_inference_mode_enabled(), storage.data_ptr(), storage.nbytes())
-    return _READ_ALIASES.get((view,), derive, key)
-
-
-def _decode_in_pages_fused(
+def decode_in_pages(
     view: Tensor,
-    source: Tensor,
     pages: Tensor,
     fresh: Tensor | None,
     q: Tensor,
@@ -173,58 +92,16 @@ def _decode_in_pages_fused(
     g: Tensor,
     beta: Tensor,
 ) -> Tensor:
-    """The one-token recurrence on the states in ``view[pages]``, updated there.
-
-    The states are read through ``source``, ``view``'s memory as another tensor
-    (:func:`_reading_alias`; ``view`` itself works too). Read through the tensor it
-    writes, inductor cannot rule out a page listed twice (whose second update would read
-    the first's result), so it writes the new states to a temporary buffer and copies
-    them into the pages in another pass; read through ``source`` it writes them in place:
-    64 requests of the small Qwen3-Next, six layers' pages in turn, one thread, 870 -> 650
-    us a layer, the same bits. So each row must have its own page: the engine's decodes
-    do, and a lone request runs on scratch pages beside an idle row (:func:`_decode_alone`).
+    """The one-token recurrence on the states in ``view[pages]``, updated there, eagerly:
+    the states read once into an fp32 workspace buffer, updated there in place in
+    transformers' order, written back once.
 
     q, k [B, Hv, Dk], v [B, Hv, Dv], g (log decay), beta [B, Hv], fp32 and contiguous;
     ``fresh`` [B] bool or None: start from zeros (masked, never multiplied: NaN garbage in
     a fresh page stays out). Returns [B, Hv, Dv] fp32.
-
-    The form to compile (:mod:`hybridkv.ops.compiled`): elementwise products and sums that
-    inductor turns into one loop reading each state and one writing it, where eager torch
-    (:func:`_decode_in_pages_eager`) makes eight passes over the batch's states (gather,
-    to fp32, decay, two bmm, update, to the page dtype, scatter). 64 requests of the small
-    Qwen3-Next (8 heads of 64 x 64, bf16 pages), one thread: the op ~1.6 -> ~0.9 ms per
-    layer (cProfile), a decode step 36 -> 32 ms (medians of 3 interleaved W1 runs each);
-    run eagerly, this form would take ~6 ms.
     """
-    state = source[pages].float()  # [B, Hv, Dk, Dv]
-    if fresh is not None:
-        state = state.masked_fill(fresh[:, None, None, None], 0.0)
-    decay = g.exp()[..., None]  # [B, Hv, 1]
-    # S' = d S + k delta^T with delta = beta (v - d S^T k), and S'^T q = d S^T q + (k . q)
-    # delta: both reads of S are one pass over it, the write of S' a second
-    s_k = (state * k[..., None]).sum(-2)  # [B, Hv, Dv]
-    s_q = (state * q[..., None]).sum(-2)
-    delta = (v - decay * s_k) * beta[..., None]
-    out = decay * s_q + (k * q).sum(-1, keepdim=True) * delta
-    view[pages] = (state * decay[..., None] + k[..., None] * delta[..., None, :]).to(view.dtype)
-    return out
-
-
-def _decode_in_pages_eager(
-    view: Tensor,
-    source: Tensor,
-    pages: Tensor,
-    fresh: Tensor | None,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-) -> Tensor:
-    """:func:`_decode_in_pages_fused` for eager torch: the states read once into an fp32
-    workspace buffer, updated there in place in transformers' order, written back once."""
     batch, heads, k_dim = k.shape
-    state = read_states(source, pages, fresh, "gdn.state")  # [B, Hv, Dk, Dv]
+    state = read_states(view, pages, fresh, "gdn.state")  # [B, Hv, Dk, Dv]
     state.mul_(g.exp()[..., None, None])
     flat = state.view(batch * heads, k_dim, -1)  # [B*Hv, Dk, Dv]
     kv_mem = torch.bmm(k.view(batch * heads, 1, k_dim), flat)  # [B*Hv, 1, Dv]
@@ -235,33 +112,6 @@ def _decode_in_pages_eager(
     out = torch.bmm(q.view(batch * heads, 1, k_dim), flat).view(batch, heads, -1)
     write_states(view, pages, state, "gdn.state")
     return out
-
-
-_decode_in_pages = CompiledOp(_decode_in_pages_fused, _decode_in_pages_eager)
-
-# rows of the warm-up's batch: a size no model dimension has (dynamo ties sizes that are
-# equal when it traces, and would compile again for every batch of another size)
-WARM_UP_BATCH = 13
-
-
-def warm_up_decode(view: Tensor) -> None:
-    """Compile the one-token step for ``view``'s dtype and page layout before serving, on
-    the view's first pages, whose bytes are put back (a poisoned cache stays poisoned).
-    No-op where the step runs eagerly."""
-    if not _decode_in_pages.will_compile():
-        return
-    heads, k_dim, v_dim = view.shape[1:]
-    with torch.inference_mode():  # as the engine's steps: dynamo compiles per mode
-        pages = torch.arange(min(WARM_UP_BATCH, view.shape[0]), device=view.device)
-        saved = view.index_select(0, pages)
-        batch = pages.numel()
-        q, k, v, g, beta = (  # distinct tensors: dynamo also compiles per aliasing
-            torch.zeros(batch, heads, *dims, device=view.device)
-            for dims in ((k_dim,), (k_dim,), (v_dim,), (), ())
-        )
-        fresh = torch.zeros(batch, dtype=torch.bool, device=view.device)
-        _decode_in_pages(view, _reading_alias(view), pages, fresh, q, k, v, g, beta)
-        index_copy_rows(view, pages, saved)
 
 
 INVERSE_BLOCK = 16  # unit_lower_inverse solves blocks up to this size directly
