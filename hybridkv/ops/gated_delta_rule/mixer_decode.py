@@ -88,7 +88,7 @@ def _mixer_decode_fused(
     a_log: Tensor,
     dt_bias: Tensor,
     norm_weight: Tensor,
-    eps: float,
+    eps: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The decodes' mixer outputs [B, Hv * Dv] in ``x``'s dtype, their states updated
     (and their q, k [B, Hv, Dk] and v [B, Hv, Dv] in fp32, below).
@@ -140,7 +140,12 @@ def _mixer_decode_fused(
     # computed once, where inductor would otherwise recompute the conv and the norms that
     # make them inside the state loops, for every value column (64 decodes of the small
     # Qwen3-Next: 1,208 -> 1,036 us a layer, cold pages)
-    return gated_rms_norm(out.to(x.dtype), z, norm_weight, eps).flatten(1), q, k, v
+    # the gated norm as gated_rms_norm, its epsilon a 0-d tensor: a float argument makes
+    # dynamo trace it symbolic, fail and start over (~1.4 s more at each start-up)
+    o = out.to(x.dtype).float()
+    normed = norm_weight * (o * torch.rsqrt(o.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
+    gated = (normed * F.silu(z.float())).to(x.dtype)
+    return gated.flatten(1), q, k, v
 
 
 def _mixer_decode_eager(
@@ -157,7 +162,7 @@ def _mixer_decode_eager(
     a_log: Tensor,
     dt_bias: Tensor,
     norm_weight: Tensor,
-    eps: float,
+    eps: Tensor,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`_mixer_decode_fused` from the layer's eager ops (the conv's decode step, the
     eager recurrence, the gated norm; ``ssm_source`` unused): where compiling is off or
@@ -175,11 +180,14 @@ def _mixer_decode_eager(
     )  # fmt: skip
     q, k = _per_v_head(q, heads).contiguous(), _per_v_head(k, heads).contiguous()
     out = decode_in_pages(ssm_view, pages, fresh, q, k, v.contiguous(), g, beta)
-    gated = gated_rms_norm(out.to(x.dtype), z, norm_weight, eps).flatten(1)
+    gated = gated_rms_norm(out.to(x.dtype), z, norm_weight, float(eps)).flatten(1)
     return gated, q, k, v
 
 
 _mixer_decode = CompiledOp(_mixer_decode_fused, _mixer_decode_eager)
+
+# the gated norm's epsilons as 0-d tensors (the fused form's argument), one per value
+_EPSILONS: dict[float, Tensor] = {}
 
 # per page view, role and mode: a tensor over the view's memory (_reading_alias)
 _READ_ALIASES: TensorMemo[Tensor] = TensorMemo()
@@ -259,7 +267,11 @@ def gated_deltanet_decode(
     # picked even when every row is a decode: the graph is compiled for rows of standard
     # strides, which a projection's split (or contiguous() of one row) does not give
     inputs = [t.index_select(0, rows) for t in (qkv, z, b, a)]
-    params = (weights.conv, weights.a_log, weights.dt_bias, weights.norm, weights.norm_eps)
+    eps = _EPSILONS.get(weights.norm_eps)
+    if eps is None:  # a plain tensor, whatever the mode of the step that makes it
+        with torch.inference_mode(False):
+            eps = _EPSILONS[weights.norm_eps] = torch.tensor(weights.norm_eps)
+    params = (weights.conv, weights.a_log, weights.dt_bias, weights.norm, eps)
     if not _compiles(conv_pages, ssm_pages):
         out, *_ = _mixer_decode.eager(
             *inputs, pages, fresh, conv_pages, ssm_pages, ssm_pages, *params
