@@ -74,6 +74,24 @@ def gates(a: Tensor, b: Tensor, a_log: Tensor, dt_bias: Tensor) -> tuple[Tensor,
     return -a_log.float().exp() * F.softplus(a.float() + dt_bias), b.sigmoid()
 
 
+class StepViews(NamedTuple):
+    """The page views a step reads and writes (which through which: module doc)."""
+
+    conv: Tensor  # [P, C, K-1] conv states, read and written
+    ssm: Tensor  # [P, Hv, Dk, Dv] SSM states, written
+    ssm_source: Tensor  # the SSM states' memory, read
+
+
+class StepParams(NamedTuple):
+    """:class:`MixerWeights` as the step takes them (the epsilon a 0-d tensor)."""
+
+    conv: Tensor
+    a_log: Tensor
+    dt_bias: Tensor
+    norm: Tensor
+    eps: Tensor
+
+
 def _mixer_decode_fused(
     x: Tensor,
     z: Tensor,
@@ -81,14 +99,8 @@ def _mixer_decode_fused(
     a: Tensor,
     pages: Tensor,
     fresh: Tensor,
-    conv_view: Tensor,
-    ssm_view: Tensor,
-    ssm_source: Tensor,
-    conv_weight: Tensor,
-    a_log: Tensor,
-    dt_bias: Tensor,
-    norm_weight: Tensor,
-    eps: Tensor,
+    views: StepViews,
+    params: StepParams,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The decodes' mixer outputs [B, Hv * Dv] in ``x``'s dtype, their states updated
     (and their q, k [B, Hv, Dk] and v [B, Hv, Dv] in fp32, below).
@@ -96,12 +108,14 @@ def _mixer_decode_fused(
     ``x`` [B, C] (the conv's input), ``z`` [B, Hv, Dv], ``b``, ``a`` [B, Hv]: the decodes'
     projections, contiguous; ``pages`` [B] their live pages,
     ``fresh`` [B] bool: start from zeros (masked, never multiplied: NaN garbage in a fresh
-    page stays out). ``conv_view`` [P, C, K-1] is read and written, ``ssm_view``
-    [P, Hv, Dk, Dv] written and ``ssm_source`` (its memory) read. Each op rounds where the
+    page stays out). ``views``: the pages read and written, ``params`` the layer's
+    weights. Each op rounds where the
     eager layer does: the conv sums in fp32 tap by tap (newest input first, then the carried
     ones oldest first) rounded to the model dtype before the SiLU, beta rounded there
     too, the recurrence in fp32, its output rounded before the gated norm.
     """
+    conv_view, ssm_view, ssm_source = views
+    conv_weight, a_log, dt_bias, norm_weight, eps = params
     heads, k_dim, v_dim = ssm_view.shape[1:]
     keep = conv_view.shape[2]
     key_dim = (conv_view.shape[1] - heads * v_dim) // 2
@@ -136,15 +150,15 @@ def _mixer_decode_fused(
     new_state = state * decay[..., None] + k[..., None] * delta[..., None, :]
     ssm_view[pages] = new_state.to(ssm_view.dtype)
 
-    # q, k and v returned too, though no caller reads them: a graph's outputs are buffers,
-    # computed once, where inductor would otherwise recompute the conv and the norms that
-    # make them inside the state loops, for every value column (64 decodes of the small
-    # Qwen3-Next: 1,208 -> 1,036 us a layer, cold pages)
     # the gated norm as gated_rms_norm, its epsilon a 0-d tensor: a float argument makes
     # dynamo trace it symbolic, fail and start over (~1.4 s more at each start-up)
     o = out.to(x.dtype).float()
     normed = norm_weight * (o * torch.rsqrt(o.square().mean(-1, keepdim=True) + eps)).to(x.dtype)
     gated = (normed * F.silu(z.float())).to(x.dtype)
+    # q, k and v returned too, though no caller reads them: a graph's outputs are buffers,
+    # computed once, where inductor would otherwise recompute the conv and the norms that
+    # make them inside the state loops, for every value column (64 decodes of the small
+    # Qwen3-Next: 1,208 -> 1,036 us a layer, cold pages)
     return gated.flatten(1), q, k, v
 
 
@@ -155,18 +169,14 @@ def _mixer_decode_eager(
     a: Tensor,
     pages: Tensor,
     fresh: Tensor,
-    conv_view: Tensor,
-    ssm_view: Tensor,
-    ssm_source: Tensor,
-    conv_weight: Tensor,
-    a_log: Tensor,
-    dt_bias: Tensor,
-    norm_weight: Tensor,
-    eps: Tensor,
+    views: StepViews,
+    params: StepParams,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`_mixer_decode_fused` from the layer's eager ops (the conv's decode step, the
-    eager recurrence, the gated norm; ``ssm_source`` unused): where compiling is off or
+    eager recurrence, the gated norm; the views' ``ssm_source`` unused): where compiling is off or
     fails. The same bits as the layer's former decode-only steps (tested)."""
+    conv_view, ssm_view, _ = views
+    conv_weight, a_log, dt_bias, norm_weight, eps = params
     heads, k_dim, v_dim = ssm_view.shape[1:]
     key_dim = (conv_view.shape[1] - heads * v_dim) // 2
     decodes = DecodeRows(rows=pages, pages=pages, fresh=fresh)  # (rows: unused)
@@ -271,16 +281,15 @@ def gated_deltanet_decode(
     if eps is None:  # a plain tensor, whatever the mode of the step that makes it
         with torch.inference_mode(False):
             eps = _EPSILONS[weights.norm_eps] = torch.tensor(weights.norm_eps)
-    params = (weights.conv, weights.a_log, weights.dt_bias, weights.norm, eps)
+    params = StepParams(weights.conv, weights.a_log, weights.dt_bias, weights.norm, eps)
     if not _compiles(conv_pages, ssm_pages):
-        out, *_ = _mixer_decode.eager(
-            *inputs, pages, fresh, conv_pages, ssm_pages, ssm_pages, *params
-        )
+        eager_views = StepViews(conv_pages, ssm_pages, ssm_pages)
+        out, *_ = _mixer_decode.eager(*inputs, pages, fresh, eager_views, params)
         return out
-    conv, ssm_read = _reading_alias(conv_pages, "write"), _reading_alias(ssm_pages)
-    _static_sizes(conv, ssm_pages, ssm_read)
+    views = StepViews(_reading_alias(conv_pages, "write"), ssm_pages, _reading_alias(ssm_pages))
+    _static_sizes(*views)
     _unbacked_batch(*inputs, pages, fresh)
-    out, *_ = _mixer_decode(*inputs, pages, fresh, conv, ssm_pages, ssm_read, *params)
+    out, *_ = _mixer_decode(*inputs, pages, fresh, views, params)
     return out
 
 
