@@ -50,6 +50,14 @@ ENGINES = ("hybridkv", "vllm")
 PROFILE_STEPS = 20
 TOP_OPS = 18
 TABLE_HEAD = 3  # the profiler table's ruler, column titles and ruler
+# what both engines are built with (vs_vllm_engine.py's settings); each adds its own
+# cache size (hybridkv 1 GiB; vLLM the same through VLLM_CPU_KVCACHE_SPACE) and caching
+ENGINE_SETTINGS: dict[str, Any] = {
+    "dtype": "bfloat16",
+    "max_model_len": 4096,
+    "max_num_seqs": 64,
+    "max_num_batched_tokens": 4096,
+}
 
 
 # ----------------------------------------------------------------------------- child side
@@ -135,15 +143,7 @@ class HybridkvStepper(Stepper):
         torch.set_num_threads(1)
         from hybridkv import LLM, SamplingParams
 
-        self.llm = LLM(
-            model=model,
-            dtype="bfloat16",
-            max_model_len=4096,
-            max_num_seqs=64,
-            cache_memory_gib=1.0,
-            max_num_batched_tokens=4096,
-            seed=seed,
-        )
+        self.llm = LLM(model=model, cache_memory_gib=1.0, seed=seed, **ENGINE_SETTINGS)
         self.core = self.llm.engine
         self.sampling = SamplingParams
         self.vocab = self.core.vocab_size
@@ -175,14 +175,7 @@ class VllmStepper(Stepper):
                 "torch_profiler_use_gzip": False,
             }
         self.llm = LLM(
-            model=model,
-            dtype="bfloat16",
-            max_model_len=4096,
-            max_num_seqs=64,
-            max_num_batched_tokens=4096,
-            enable_prefix_caching=True,
-            seed=seed,
-            **extra,
+            model=model, enable_prefix_caching=True, seed=seed, **ENGINE_SETTINGS, **extra
         )
         self.core = self.llm.llm_engine
         self.sampling = SamplingParams

@@ -77,8 +77,7 @@ class GatedDeltaNet(nn.Module):
         """Compile this layer's compiled ops for its cache layout (the model runner calls it
         once, before serving; hybridkv.ops.compiled)."""
         state = views.state(self.layer_index)
-        dtype = self.conv1d.weight.dtype
-        warm_up_mixer_decode(state["conv"], state["ssm"], self.mixer_weights(), dtype)
+        warm_up_mixer_decode(state["conv"], state["ssm"], self.mixer_weights())
 
     def mixer_weights(self) -> MixerWeights:
         """The parameters the fused decode step reads."""
@@ -96,13 +95,13 @@ class GatedDeltaNet(nn.Module):
         state = views.state(self.layer_index)
         states = batch.state_batch(state.group_id)
         qkv, z, b, a = self.project(x)
-        decodes = states.decodes
-        fused = decodes is not None and not needs_grad(qkv, z, b, a, *self.mixer_weights()[:4])
+        decodes, weights = states.decodes, self.mixer_weights()
+        fused = decodes is not None and not needs_grad(qkv, z, b, a, *weights[:4])
         decoded = None
         if fused:
             assert decodes is not None
             decoded = gated_deltanet_decode(
-                qkv, z, b, a, decodes, state["conv"], state["ssm"], self.mixer_weights()
+                qkv, z, b, a, decodes, state["conv"], state["ssm"], weights
             )
             if decodes.rows.numel() == num_tokens:  # a decode-only step
                 states.copy_final_captures(state["conv"])

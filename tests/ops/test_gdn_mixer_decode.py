@@ -218,7 +218,7 @@ def test_warm_up_compiles_the_one_graph_and_puts_the_pages_back(
     arena.view(dtype).fill_(float("nan"))
     before = arena.clone()
     w = weights(dtype)
-    fused.warm_up_mixer_decode(conv, ssm, w, dtype)
+    fused.warm_up_mixer_decode(conv, ssm, w)
     assert fresh_compile.num_compiled_calls == 1
     assert torch.equal(arena, before)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

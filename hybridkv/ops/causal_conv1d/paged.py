@@ -62,15 +62,15 @@ def causal_conv1d_varlen(
             return causal_conv1d_fn(x[rows], weight, bias, initial, activation)
 
         return scan_each_request(out, conv_pages, states, scan)
-    taps = weight.float().T.contiguous()  # [K, C]: contiguous rows vectorise the taps
-    bias = None if bias is None else bias.float()
     decodes = states.decodes
     every_row = decodes is not None and decodes.rows.numel() == x.shape[0]
     if every_row and not skip_decodes:
         assert decodes is not None
-        y = _decode_step(x, conv_pages, decodes, taps, bias)
+        y = conv_decode(x, conv_pages, decodes, weight, bias, activation)
         states.copy_final_captures(conv_pages)
-        return activate(y.to(weight.dtype), activation)
+        return y
+    taps = weight.float().T.contiguous()  # [K, C]: contiguous rows vectorise the taps
+    bias = None if bias is None else bias.float()
     blocks = [] if every_row else states.conv(weight.shape[1], BLOCK_TOKENS, skip_decodes)
     for block in blocks:
         fresh = None if states.fresh is None else states.fresh[block.reqs]
@@ -86,13 +86,14 @@ def conv_decode(
     conv_pages: Tensor,
     decodes: DecodeRows,
     weight: Tensor,
+    bias: Tensor | None = None,
     activation: str | None = None,
 ) -> Tensor:
     """One conv step for one-token requests ``x`` [B, C] (the decodes' rows, in order),
     their states shifted in their pages: [B, C] in x's dtype. The same bits as the
-    block path's rows (:func:`_decode_step`); no bias, no captures."""
-    taps = weight.float().T.contiguous()
-    y = _decode_step(x, conv_pages, decodes, taps, None)
+    block path's rows (:func:`_decode_step`); captures are the caller's."""
+    taps = weight.float().T.contiguous()  # [K, C]: contiguous rows vectorise the taps
+    y = _decode_step(x, conv_pages, decodes, taps, None if bias is None else bias.float())
     return activate(y.to(weight.dtype), activation)
 
 

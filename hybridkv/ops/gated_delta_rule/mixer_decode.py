@@ -180,7 +180,7 @@ def _mixer_decode_eager(
     heads, k_dim, v_dim = ssm_view.shape[1:]
     key_dim = (conv_view.shape[1] - heads * v_dim) // 2
     decodes = DecodeRows(rows=pages, pages=pages, fresh=fresh)  # (rows: unused)
-    y = conv_decode(x, conv_view, decodes, conv_weight[:, 0, :], "silu")
+    y = conv_decode(x, conv_view, decodes, conv_weight[:, 0, :], None, "silu")
     batch = y.shape[0]
     q, k, v = y.split([key_dim, key_dim, heads * v_dim], dim=-1)
     g, beta = gates(a, b, a_log, dt_bias)
@@ -293,15 +293,13 @@ def gated_deltanet_decode(
     return out
 
 
-def warm_up_mixer_decode(
-    conv_pages: Tensor, ssm_pages: Tensor, weights: MixerWeights, dtype: torch.dtype
-) -> None:
+def warm_up_mixer_decode(conv_pages: Tensor, ssm_pages: Tensor, weights: MixerWeights) -> None:
     """Compile the decode step for these page views and weights before serving, on the
     views' first pages, whose bytes are put back (a poisoned cache stays poisoned); the
-    projections zeros of ``dtype``. No-op where the step runs eagerly."""
+    projections zeros of the weights' dtype. No-op where the step runs eagerly."""
     if not _compiles(conv_pages, ssm_pages):
         return
-    device = conv_pages.device
+    device, dtype = conv_pages.device, weights.conv.dtype
     heads, _, v_dim = ssm_pages.shape[1:]
     channels = conv_pages.shape[1]
     with torch.inference_mode():  # as the engine's steps: dynamo compiles per mode
