@@ -28,6 +28,11 @@ in a block of code (the engine's ``enforce_eager``, vLLM's flag, wraps its steps
 Dynamo compiles a function again for each new combination of dtypes and layouts, up to its
 recompile limit (8 per function); a call past it runs the eager form (one log line), so a
 process that serves many models loses speed, never correctness.
+
+Once dynamo has run a graph for some arguments, later calls with the same long-lived
+tensors and batch tensors of the same layout call the graph directly, skipping dynamo's
+per-call dispatch, which in a serving step costs more than many a graph
+(:mod:`hybridkv.ops.direct_calls`).
 """
 
 from __future__ import annotations
@@ -37,12 +42,15 @@ import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
 from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
 from torch._inductor.exc import InductorError
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from hybridkv.ops.direct_calls import DirectCalls
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -107,6 +115,7 @@ class CompiledOp(Generic[P, R]):
         self._compiled: Callable[P, R] | None = None
         self._failed = False
         self._eager_variants: set[tuple[object, ...]] = set()
+        self.direct = DirectCalls()  # the graph called without dynamo's dispatch
         self.num_compiled_calls = 0  # calls that ran the compiled graph (tests read it)
 
     def reset(self) -> None:
@@ -115,6 +124,7 @@ class CompiledOp(Generic[P, R]):
         self._compiled = None
         self._failed = False
         self._eager_variants.clear()
+        self.direct.clear()
         self.num_compiled_calls = 0
 
     def will_compile(self) -> bool:
@@ -122,20 +132,29 @@ class CompiledOp(Generic[P, R]):
         return not self._failed and compile_enabled()
 
     def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
-        if not self.will_compile() or _tracks_grad(args):
-            return self.eager(*args, **kwargs)
+        if not self.will_compile() or _tracks_grad(args) or _get_current_dispatch_mode():
+            return self.eager(*args, **kwargs)  # (dynamo refuses to run under a user's mode)
         if self._eager_variants and _variant(args) in self._eager_variants:
             return self.eager(*args, **kwargs)
+        direct = self.direct.find(args, kwargs)
+        if direct is not None:  # a graph dynamo ran for these arguments before
+            self.num_compiled_calls += 1
+            return self.direct.call(direct, args)  # type: ignore[no-any-return]
         if self._compiled is None:
             try:
                 self._compiled = torch.compile(
-                    self.fused, dynamic=True, fullgraph=True, options=_compile_options()
+                    self.fused,
+                    backend=self.direct.backend,
+                    dynamic=True,
+                    fullgraph=True,
+                    options=_compile_options(),
                 )
             except RuntimeError as exc:  # torch.compile refuses this Python or platform
                 self._fail(exc)
                 return self.eager(*args, **kwargs)
         try:
-            out = self._compiled(*args, **kwargs)
+            with self.direct.recording(args, kwargs) as recording:
+                out = self._compiled(*args, **kwargs)
         except _COMPILE_FAILURES as exc:  # raised while compiling, before anything ran
             self._fail(exc)
             return self.eager(*args, **kwargs)
@@ -149,6 +168,7 @@ class CompiledOp(Generic[P, R]):
                 _first_line(exc),
             )
             return self.eager(*args, **kwargs)
+        self.direct.learn(recording, args, kwargs, out)
         self.num_compiled_calls += 1
         return out
 
@@ -161,7 +181,7 @@ class CompiledOp(Generic[P, R]):
         )
 
 
-def _compile_options() -> dict[str, object]:
+def _compile_options() -> dict[str, str | int | bool | Callable[..., Any]]:
     """Inductor options of every compiled op: trust the CPU's vector flags instead of
     probing them (unless ``TORCHINDUCTOR_VEC_ISA_OK`` says otherwise). Before its first
     compile in a process, inductor dry-compiles a C++ file for each ISA the CPU reports and

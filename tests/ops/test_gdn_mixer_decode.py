@@ -3,8 +3,6 @@ equals the layer's own ops, does not depend on what shares its step, and compile
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import Tensor
@@ -22,17 +20,6 @@ CHANNELS = 2 * K_HEADS * K_DIM + V_HEADS * V_DIM
 CONV = CHANNELS * (KERNEL - 1)
 SSM = V_HEADS * K_DIM * V_DIM
 OTHER = 40  # elements of some other cache before each page's states
-
-
-@pytest.fixture
-def fresh_compile() -> Iterator[CompiledOp[..., tuple[Tensor, ...]]]:
-    """The fused op with nothing compiled yet in the process (see test_gated_delta_rule)."""
-    op = fused._mixer_decode
-    torch._dynamo.reset()
-    op.reset()
-    yield op
-    torch._dynamo.reset()
-    op.reset()
 
 
 def group_pages(num_pages: int, dtype: torch.dtype, seed: int = 3) -> tuple[Tensor, Tensor, Tensor]:
