@@ -7,8 +7,9 @@ the graph's own call; in a serving step it is never warm: between two GDN layers
 weights stream through the caches, and the same machinery then costs ~75 us more (a
 two-op graph after 64 MB streamed: 116 us through dynamo, 40 us called directly, one
 thread). The GDN mixer's decode step (:mod:`hybridkv.ops.gated_delta_rule.mixer_decode`)
-is such a call in every GDN layer of every step; called directly, decode steps of the
-small Qwen3-Next took 4-18% less at 8 requests and 4-9% less at 64 (benchmarks/README.md).
+is such a call in every GDN layer of every step; called directly, a decode step of the
+small Qwen3-Next took 8.6% less at 8 requests and 6.6% less at 64 (in-process A/B,
+benchmarks/README.md).
 
 :class:`DirectCalls` learns, the first time dynamo runs a graph for some arguments, how the
 graph's inputs come from them and how its outputs make the result, and calls the graph
