@@ -153,7 +153,7 @@ class CompiledOp(Generic[P, R]):
                 self._fail(exc)
                 return self.eager(*args, **kwargs)
         try:
-            with self.direct.recording(args, kwargs) as recording:
+            with self.direct.recording() as recording:
                 out = self._compiled(*args, **kwargs)
         except _COMPILE_FAILURES as exc:  # raised while compiling, before anything ran
             self._fail(exc)

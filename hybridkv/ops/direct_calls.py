@@ -165,8 +165,8 @@ class DirectCalls:
         return call(args, batch)
 
     @contextmanager
-    def recording(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[_Recording]:
-        """Around a call through dynamo: learn its direct call (:meth:`learn` after it)."""
+    def recording(self) -> Iterator[_Recording]:
+        """Around a call through dynamo: what its graph saw, for :meth:`learn` after it."""
         recording = _Recording(self)
         token = _recording.set(recording)
         try:
