@@ -332,9 +332,7 @@ def _result_map(result: Any, outputs: Sequence[Any]) -> tuple[int, ...] | int | 
     index = {id(o): i for i, o in enumerate(outputs) if isinstance(o, Tensor)}
     if isinstance(result, Tensor):
         return index.get(id(result))
-    if not isinstance(result, tuple):
+    if type(result) is not tuple:  # (a named tuple: a direct call would return a plain one)
         return None
-    found = [index.get(id(r)) if isinstance(r, Tensor) else None for r in result]
-    if any(i is None for i in found) or type(result) is not tuple:
-        return None
-    return tuple(i for i in found if i is not None)
+    found = tuple(index.get(id(r), -1) if isinstance(r, Tensor) else -1 for r in result)
+    return None if -1 in found else found
