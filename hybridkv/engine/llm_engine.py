@@ -34,6 +34,7 @@ from hybridkv.engine.config import (
     loader_cache_dtype,
 )
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
+from hybridkv.engine.gc_heap import freeze_startup_heap
 from hybridkv.engine.generation_defaults import default_sampling
 from hybridkv.engine.host_memory import keep_freed_memory
 from hybridkv.engine.inputs import InputProcessor, PromptType
@@ -192,6 +193,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        freeze_startup_heap()  # no collection walks the start-up heap while serving
 
     @classmethod
     def from_model(cls, model: str, **options: Any) -> LLMEngine:

@@ -1,0 +1,43 @@
+"""Keep Python's cyclic garbage collector off the start-up heap while the engine serves.
+
+By the time an engine has loaded its model and compiled its ops, the process holds some
+400,000 objects the garbage collector tracks (torch, transformers, dynamo's and inductor's
+caches, the engine's own), and nearly all of them live as long as the process. A collection
+of the oldest generation walks every one of them: 210-230 ms on this machine (the tests'
+tiny Qwen3.5 engine, one thread). Serving triggers such collections now and then (Python
+runs one once enough new objects have survived), and each stalls the step it lands in: one
+230 ms stall in 15 s of multi-turn chat on one engine (6,718 steps), and in a process that
+builds engine after engine (the benchmarks, the tests) one in most runs, each 15-215 ms,
+added to whichever request's first token was due.
+
+So at the end of start-up the engine collects once and freezes what is left
+(:func:`gc.freeze`): those objects move to a permanent generation that collections skip,
+and a later full collection walks only what was created since (0.01 ms right after the
+freeze). vLLM's engine does the same after its start-up. Reference counting still frees
+frozen objects the moment they become unreachable, so an engine that is dropped is freed
+as before (tested); only a reference cycle among frozen objects would outlive its last
+reference, which is why the collection runs first and why the engine keeps no cycle around
+itself (tested too). The first freeze in a process pays the one full collection (~0.2 s
+here); later engines' collections find the start-up heap already frozen.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+
+logger = logging.getLogger(__name__)
+
+
+def freeze_startup_heap() -> None:
+    """Collect garbage once, then freeze every tracked object (module doc)."""
+    start = time.perf_counter()
+    unreachable = gc.collect()
+    gc.freeze()
+    logger.debug(
+        "garbage collector: %d unreachable objects freed, %d frozen in %.1f ms",
+        unreachable,
+        gc.get_freeze_count(),
+        (time.perf_counter() - start) * 1e3,
+    )
