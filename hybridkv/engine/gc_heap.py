@@ -3,12 +3,12 @@
 By the time an engine has loaded its model and compiled its ops, the process holds some
 400,000 objects the garbage collector tracks (torch, transformers, dynamo's and inductor's
 caches, the engine's own), and nearly all of them live as long as the process. A collection
-of the oldest generation walks every one of them: 210-230 ms on this machine (the tests'
+of the oldest generation walks every one of them: 200-230 ms on this machine (the tests'
 tiny Qwen3.5 engine, one thread). Serving triggers such collections now and then (Python
 runs one once enough new objects have survived), and each stalls the step it lands in: one
-230 ms stall in 15 s of multi-turn chat on one engine (6,718 steps), and in a process that
-builds engine after engine (the benchmarks, the tests) one in most runs, each 15-215 ms,
-added to whichever request's first token was due.
+203-231 ms stall in each 12-16 s replay of 20 multi-turn chats on one engine (6,718
+steps), and in a process that builds engine after engine (the benchmarks, the tests) one
+in most runs, added to whichever request's first token was due.
 
 So at the end of start-up the engine collects once and freezes what is left
 (:func:`gc.freeze`): those objects move to a permanent generation that collections skip,
