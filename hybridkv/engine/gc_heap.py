@@ -17,8 +17,8 @@ freeze). vLLM's engine does the same after its start-up. Reference counting stil
 frozen objects the moment they become unreachable, so an engine that is dropped is freed
 as before (tested); only a reference cycle among frozen objects would outlive its last
 reference, which is why the collection runs first and why the engine keeps no cycle around
-itself (tested too). The first freeze in a process pays the one full collection (~0.2 s
-here); later engines' collections find the start-up heap already frozen. The freeze is
+itself (tested too). The first freeze in a process pays the one full collection (0.2-0.4
+s of start-up here); later engines' collections find the start-up heap already frozen. The freeze is
 process-wide: an application that builds an engine in its own process has its objects of
 that moment frozen too, and a reference cycle among them that it drops later stays in
 memory (vLLM's in-process engine makes the same trade).
