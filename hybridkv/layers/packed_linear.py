@@ -22,6 +22,7 @@ oneDNN's opaque layout, cannot move to another device and has no autograd.
 
 from __future__ import annotations
 
+import functools
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -34,11 +35,25 @@ MIN_PACKED_ELEMENTS: dict[torch.dtype, int] = {torch.bfloat16: 1 << 18, torch.fl
 _KEEP_PLAIN = "_hybridkv_keep_plain"
 
 
+@functools.cache
+def can_pack(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs ``dtype`` weights on this CPU: bf16 needs AVX-512 BW/VL/DQ or
+    AVX-NE-CONVERT (a CPU with AVX2 alone refuses, and its bf16 model runs fp32 matmuls
+    instead: :mod:`hybridkv.layers.fp32_matmul`); fp32 packs wherever oneDNN exists."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
+
+
 def packing_threshold(dtype: torch.dtype, min_elements: int | None = None) -> int | None:
     """The smallest weight of ``dtype`` to pack (``min_elements`` if given and the dtype is
-    packable at all), or None: never pack this dtype."""
+    packable at all), or None: never pack this dtype (none listed, or this CPU cannot)."""
     default = MIN_PACKED_ELEMENTS.get(dtype)
-    if default is None:
+    if default is None or not can_pack(dtype):
         return None
     return default if min_elements is None else min_elements
 
@@ -96,12 +111,17 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed"
 
 
+def is_plain(module: nn.Module) -> bool:
+    """A plain ``nn.Linear`` (not a subclass) that nothing reads by weight
+    (:func:`keep_plain`): what the load-time weight conversions may replace."""
+    return type(module) is nn.Linear and not getattr(module, _KEEP_PLAIN, False)
+
+
 def _packable(linear: nn.Linear, shared: set[int], min_elements: int | None) -> bool:
     weight = linear.weight
     threshold = packing_threshold(weight.dtype, min_elements)
     return (
-        type(linear) is nn.Linear
-        and not getattr(linear, _KEEP_PLAIN, False)
+        is_plain(linear)
         and id(weight) not in shared
         and weight.device.type == "cpu"
         and threshold is not None
@@ -121,7 +141,7 @@ def pack_linears(model: nn.Module, *, min_elements: int | None = None) -> int:
     """
     if not torch.backends.mkldnn.is_available():
         return 0
-    shared = _tied_weights(model)
+    shared = tied_weights(model)
     replaced: dict[int, nn.Module] = {}
     packed_own = 0
     for module in model.modules():
@@ -143,7 +163,7 @@ def pack_linears(model: nn.Module, *, min_elements: int | None = None) -> int:
     return len(replaced) + packed_own
 
 
-def _tied_weights(model: nn.Module) -> set[int]:
+def tied_weights(model: nn.Module) -> set[int]:
     """Ids of parameters held by more than one module (a module under two parents is one)."""
     holders: dict[int, set[int]] = {}
     for module in model.modules():
@@ -156,7 +176,10 @@ __all__ = [
     "MIN_PACKED_ELEMENTS",
     "PackedLinear",
     "PacksOwnWeights",
+    "can_pack",
+    "is_plain",
     "keep_plain",
     "pack_linears",
     "packing_threshold",
+    "tied_weights",
 ]

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridkv.layers import packed_linear
 from hybridkv.layers.mlp import activation
 from hybridkv.layers.moe import (
     ExpertRouting,
@@ -123,8 +124,8 @@ def test_grouped_experts_equal_the_loop(
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     expert = reference_expert(copy.deepcopy(grouped))  # the stacked weights, unpacked
     if packed:
-        if not torch.backends.mkldnn.is_available():
-            pytest.skip("this torch build has no oneDNN")
+        if not packed_linear.can_pack(dtype):
+            pytest.skip(f"oneDNN cannot pack {dtype} here (no oneDNN, or bf16 on AVX2 alone)")
         assert grouped.pack_weights(min_elements=0) == 12
         assert grouped.gate_up_proj is None and grouped.down_proj is None
     x = torch.randn(num_tokens, hidden, generator=gen).to(dtype)
@@ -151,6 +152,15 @@ def test_no_tokens_give_an_empty_output(dtype: torch.dtype) -> None:
     with torch.no_grad():
         out = moe_forward(x, torch.empty(0, 2, dtype=dtype), experts, grouped)
     assert out.shape == (0, 16) and out.dtype == dtype
+
+
+def test_experts_stay_stacked_where_onednn_cannot_pack(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 on a CPU with AVX2 alone: pack_weights packs nothing and the stacked weights
+    keep serving (as if this CPU were one)."""
+    monkeypatch.setattr(packed_linear, "can_pack", lambda dtype: False)
+    grouped = GroupedExperts(4, 64, 32, activation("silu")).to(torch.bfloat16)
+    assert grouped.pack_weights(min_elements=0) == 0
+    assert grouped.packed is None and grouped.gate_up_proj is not None
 
 
 def test_small_experts_are_not_packed() -> None:

@@ -11,11 +11,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.layers.packed_linear import PackedLinear, keep_plain, pack_linears
+from hybridkv.layers.packed_linear import PackedLinear, can_pack, keep_plain, pack_linears
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
 )
+# oneDNN packs bf16 only on a CPU with AVX-512 BW/VL/DQ or AVX-NE-CONVERT
+needs_bf16_packing = pytest.mark.skipif(
+    not can_pack(torch.bfloat16), reason="oneDNN cannot pack bf16 on this CPU (AVX2 alone)"
+)
+BF16_WHERE_PACKED = pytest.param(torch.bfloat16, marks=needs_bf16_packing)
 
 
 def packed(linear: nn.Linear) -> PackedLinear:
@@ -24,6 +29,7 @@ def packed(linear: nn.Linear) -> PackedLinear:
     return module
 
 
+@needs_bf16_packing
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 8, 64, 130])
 def test_bf16_products_are_bit_identical(rows: int, bias: bool) -> None:
@@ -43,7 +49,7 @@ def test_fp32_products_agree_to_rounding(rows: int) -> None:
         torch.testing.assert_close(packed(linear)(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_WHERE_PACKED])
 def test_a_row_gets_the_same_product_in_any_batch(dtype: torch.dtype) -> None:
     """Whatever the number of rows in the call, so a request's logits do not depend on
     what else shares its step (the cache-on == cache-off tests rely on exact tokens)."""
@@ -56,6 +62,7 @@ def test_a_row_gets_the_same_product_in_any_batch(dtype: torch.dtype) -> None:
             assert torch.equal(module(x[:rows]), full[:rows]), rows
 
 
+@needs_bf16_packing
 def test_strided_and_batched_inputs() -> None:
     torch.manual_seed(1)
     linear = nn.Linear(64, 32).to(torch.bfloat16)
@@ -96,6 +103,12 @@ def test_pack_linears_packs_what_nothing_else_reads(dtype: torch.dtype) -> None:
     ids = torch.randint(0, 50, (7,))
     with torch.inference_mode():
         before = model(ids)
+    if not can_pack(dtype):  # bf16 on a CPU with AVX2 alone: everything stays plain
+        assert pack_linears(model, min_elements=1000) == 0
+        assert all(type(m) is not PackedLinear for m in model.modules())
+        with torch.inference_mode():
+            assert torch.equal(model(ids), before)
+        return
     assert pack_linears(model, min_elements=1000) == 2  # big, shared (once)
     assert isinstance(model.big, PackedLinear)
     assert isinstance(model.shared, PackedLinear)
@@ -111,21 +124,24 @@ def test_pack_linears_packs_what_nothing_else_reads(dtype: torch.dtype) -> None:
         torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
-def test_packed_weights_replace_the_plain_ones() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_WHERE_PACKED])
+def test_packed_weights_replace_the_plain_ones(dtype: torch.dtype) -> None:
     """No second copy: the plain weight is gone from the model, the packed one counted."""
-    model = nn.Sequential(nn.Linear(512, 512, bias=False)).to(torch.bfloat16)
+    size = 1024  # packed in either dtype (thresholds)
+    model = nn.Sequential(nn.Linear(size, size, bias=False)).to(dtype)
     plain = model[0].weight
     assert pack_linears(model) == 1
     params = list(model.parameters())
-    assert len(params) == 1 and params[0] is not plain and params[0].numel() == 512 * 512
+    assert len(params) == 1 and params[0] is not plain and params[0].numel() == size * size
 
 
 def test_thresholds_per_dtype() -> None:
     """512 x 512 is packed in bf16 but not in fp32, where a one-row product packed costs
     more than plain; 1024 x 1024 is packed in both; fp16 never (oneDNN needs CPU support
-    this project cannot assume)."""
+    this project cannot assume), nor bf16 on a CPU where oneDNN cannot pack it."""
+    bf16 = (PackedLinear, PackedLinear) if can_pack(torch.bfloat16) else (nn.Linear, nn.Linear)
     for dtype, packed_types in [
-        (torch.bfloat16, (PackedLinear, PackedLinear)),
+        (torch.bfloat16, bf16),
         (torch.float32, (nn.Linear, PackedLinear)),
         (torch.float16, (nn.Linear, nn.Linear)),
     ]:
