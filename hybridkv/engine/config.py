@@ -32,6 +32,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's --dtype accepts these too
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 MAMBA_SSM_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+MATMUL_DTYPES = ("auto", "model", "float32")  # the loader's matmul_dtype
 MAMBA_CACHE_MODES = ("align", "none")  # vLLM's; "align" is how every snapshot here is taken
 EVICTION_POLICIES = {"lru": EvictionPolicy.LRU, "cost": EvictionPolicy.COST}
 GENERATION_CONFIG_SOURCES = ("auto", "vllm")  # or a path
@@ -118,6 +119,12 @@ class EngineConfig:
             matmuls, but a slower load (the checkpoint is read into memory and reordered:
             Qwen3.5-0.8B bf16 7.2 s against 0.8 s plain, benchmarks/load_memory.py), so
             off by default.
+        cpu_matmul_dtype: what a bf16 / fp16 model's matmuls run in: 'auto' is float32 on
+            a CPU that only emulates the model dtype's matmuls (AVX2 alone: no AVX-512,
+            AVX-NE-CONVERT or AMX; there bf16 runs several times slower than fp32), the
+            model dtype elsewhere; 'float32' always; 'model' never. In float32 the matmul
+            weights take twice their memory and every product is rounded back to the model
+            dtype (hybridkv.layers.fp32_matmul).
         enforce_eager: run every op eagerly (vLLM's flag): no torch.compile of the few
             ops that compile (hybridkv.ops.compiled), so start-up skips their compile
             (~1.6 s; ~8 s on a machine whose compile cache is empty), and decode steps are
@@ -160,6 +167,7 @@ class EngineConfig:
     mamba_ssm_cache_dtype: str = field(default="auto", metadata={"choices": MAMBA_SSM_CACHE_DTYPES})
     device: str = "cpu"
     pack_weights: bool = False
+    cpu_matmul_dtype: str = field(default="auto", metadata={"choices": MATMUL_DTYPES})
     enforce_eager: bool = False
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})
     generation_config: str = field(default="auto", metadata={"metavar": "auto|vllm|PATH"})
@@ -189,6 +197,7 @@ class EngineConfig:
             ("dtype", DTYPES),
             ("kv_cache_dtype", KV_CACHE_DTYPES),
             ("mamba_ssm_cache_dtype", MAMBA_SSM_CACHE_DTYPES),
+            ("cpu_matmul_dtype", MATMUL_DTYPES),
             ("eviction", tuple(EVICTION_POLICIES)),
         ):
             if getattr(self, name) not in allowed:

@@ -114,6 +114,7 @@ class LLMEngine:
             ssm_dtype=loader_cache_dtype(config.mamba_ssm_cache_dtype),
             tokenizer_dir=config.tokenizer,
             pack_weights=config.pack_weights,
+            matmul_dtype=config.cpu_matmul_dtype,
         )
         self.model_config = loaded.config
         self.spec = loaded.spec

@@ -100,6 +100,6 @@ class PagedAttention(nn.Module):
     ) -> Tensor:
         """Write this step's K/V to the pages, then attend over the request's prefix."""
         view = views.attn(self.layer_index)
-        plan = batch.attention_plan(view, decode_key_multiple(q.dtype))
+        plan = batch.attention_plan(view, decode_key_multiple(q.dtype, q.device))
         store_kv(k, v, view.key, view.value, plan)
         return paged_attention(q, view.key, view.value, plan, self.scale)

@@ -215,6 +215,9 @@ class GroupedExperts(nn.Module):
         self._num_experts = num_experts
         # per expert (gate_up, down) packed for oneDNN once pack_weights ran, else None
         self.packed: nn.ModuleList | None = None
+        # the weights' dtype once upcast_weights ran (fp32 products of a bf16 / fp16
+        # model on a CPU that emulates its dtype), else None: the input's dtype
+        self.matmul_dtype: torch.dtype | None = None
         width = (2 if gated else 1) * intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, width, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
@@ -256,12 +259,32 @@ class GroupedExperts(nn.Module):
             setattr(self, name, None)  # the packed copies replace them
         return 2 * self.num_experts
 
+    def upcast_weights(self) -> int:
+        """Hold the weights in fp32, each product run in fp32 and rounded back to the
+        input's dtype, as :class:`~hybridkv.layers.fp32_matmul.Fp32Linear` does (CPU
+        inference where the model dtype is emulated; call before :meth:`pack_weights`).
+        Returns the number of weights converted (0: already fp32, or packed)."""
+        if self.packed is not None or self.gate_up_proj.dtype not in _PADDED_DTYPES:
+            return 0
+        for name in ("gate_up_proj", "down_proj", "gate_up_bias", "down_bias"):
+            param = getattr(self, name)
+            if param is not None:
+                setattr(self, name, nn.Parameter(param.detach().float(), requires_grad=False))
+        self.matmul_dtype = torch.float32
+        return 2
+
     def forward(self, x: Tensor, routing: ExpertRouting) -> Tensor:
         """x [N, H] rows in expert order -> [N, H]."""
         if self.packed is not None:
             return self._per_expert(x, routing.offsets.tolist(), self.packed)
-        h = grouped_linear(x, self.gate_up_proj, routing.offsets, self.gate_up_bias)
-        return grouped_linear(self._activate(h), self.down_proj, routing.offsets, self.down_bias)
+        h = self._grouped(x, self.gate_up_proj, routing.offsets, self.gate_up_bias)
+        return self._grouped(self._activate(h), self.down_proj, routing.offsets, self.down_bias)
+
+    def _grouped(self, x: Tensor, weight: Tensor, offsets: Tensor, bias: Tensor | None) -> Tensor:
+        """:func:`grouped_linear`, in :attr:`matmul_dtype` if set, rounded to x's dtype."""
+        if self.matmul_dtype is None:
+            return grouped_linear(x, weight, offsets, bias)
+        return grouped_linear(x.to(self.matmul_dtype), weight, offsets, bias).to(x.dtype)
 
     def _activate(self, h: Tensor) -> Tensor:
         if self.gated:
@@ -272,10 +295,12 @@ class GroupedExperts(nn.Module):
     def _per_expert(self, x: Tensor, ends: list[int], packed: nn.ModuleList) -> Tensor:
         """Each expert with rows runs its packed linears on its slice of the sorted rows."""
         out = x.new_empty(x.shape[0], packed[0][1].out_features)
+        dtype = self.matmul_dtype or x.dtype
         start = 0
         for (gate_up, down), end in zip(packed, ends, strict=True):
             if end > start:
-                out[start:end] = down(self._activate(gate_up(x[start:end])))
+                h = gate_up(x[start:end].to(dtype)).to(x.dtype)
+                out[start:end] = down(self._activate(h).to(dtype))
             start = end
         return out
 

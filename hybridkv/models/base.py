@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from hybridkv.core.spec import ModelSpec
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
+from hybridkv.layers.fp32_matmul import upcast_tied_pair
 
 
 class DecoderStack(nn.Module):
@@ -55,6 +56,18 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def upcast_weights(self) -> int:
+        """A tied LM head and its embedding onto one fp32 table (the loader's fp32 matmuls
+        of a bf16 / fp16 model, :mod:`hybridkv.layers.fp32_matmul`; the other linears are
+        converted module by module). Returns 1 if it converted them, else 0."""
+        if not self.tie_word_embeddings:
+            return 0
+        embedding, head = upcast_tied_pair(self.model.embed_tokens, self.lm_head)
+        if head is self.lm_head:
+            return 0
+        self.model.embed_tokens, self.lm_head = embedding, head
+        return 1
 
     def embed(self, batch: ForwardBatch) -> Tensor:
         """[T, H] input embeddings (Zamba2/Falcon-H1 override to scale or keep them)."""

@@ -30,12 +30,16 @@ from torch import Tensor, nn
 from hybridkv.core.model_config import flatten_text_config, model_spec_from_config
 from hybridkv.core.spec import ModelSpec, canonical_dtype
 from hybridkv.forward.views import TORCH_DTYPES
+from hybridkv.layers.fp32_matmul import upcast_linears
 from hybridkv.layers.packed_linear import pack_linears
 from hybridkv.models.base import CausalLM
 from hybridkv.models.registry import model_class
 from hybridkv.models.tokenizer import Tokenizer
+from hybridkv.ops.cpu_gemm import native_gemm
 
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+# what a bf16 / fp16 model multiplies its matmul weights in (load_model's matmul_dtype)
+MATMUL_DTYPES = ("auto", "model", "float32")
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +188,7 @@ def load_model(
     ssm_dtype: str | None = None,
     tokenizer_dir: str | Path | None = None,
     pack_weights: bool = False,
+    matmul_dtype: str = "auto",
 ) -> LoadedModel:
     """Build the model of ``model_dir`` in ``dtype`` and load its weights.
 
@@ -195,7 +200,11 @@ def load_model(
     CPU, ``pack_weights`` lays the large linear weights out once for oneDNN
     (:mod:`hybridkv.layers.packed_linear`): faster, inference only; the checkpoint is
     then read into memory rather than mapped (a packed copy made from mapped pages would
-    leave them resident beside it), which makes the load slower.
+    leave them resident beside it), which makes the load slower. ``matmul_dtype`` (one of
+    :data:`MATMUL_DTYPES`): "float32" holds a bf16 / fp16 model's matmul weights in fp32
+    and runs its products in fp32 (:mod:`hybridkv.layers.fp32_matmul`); "auto" does so
+    where ``device`` only emulates the model dtype's matmuls
+    (:func:`~hybridkv.ops.cpu_gemm.native_gemm`: a CPU with AVX2 alone); "model" never.
 
     Raises:
         ValueError: unsupported dtype or model type.
@@ -206,6 +215,8 @@ def load_model(
     dtype = canonical_dtype(resolve_dtype(dtype, device, raw))
     if dtype not in MODEL_DTYPES:
         raise ValueError(f"model dtype must be one of {MODEL_DTYPES}, not {dtype!r}")
+    if matmul_dtype not in MATMUL_DTYPES:
+        raise ValueError(f"matmul_dtype must be one of {MATMUL_DTYPES}, not {matmul_dtype!r}")
     spec = model_spec_from_config(
         raw,
         name=model_dir.name,
@@ -227,19 +238,36 @@ def load_model(
     model.load_weights(iter_safetensors(files, progress=progress, mapped=not pack))
     model.to(device)  # the buffers; the parameters are there already
     model.eval()
+    upcast = upcast_linears(model) if _upcasts(matmul_dtype, dtype, device) else 0
     packed = pack_linears(model) if pack else 0
     logger.info(
-        "loaded %s in %.1f s: %.2f GiB of %s weights from %d shard(s), %d linear(s) packed",
+        "loaded %s in %.1f s: %.2f GiB of %s weights from %d shard(s), %d linear(s) packed%s",
         model_dir,
         time.perf_counter() - start,
         sum(p.numel() * p.element_size() for p in model.parameters()) / (1 << 30),
         dtype,
         len(files),
         packed,
+        f", {upcast} held in float32 for fp32 matmuls" if upcast else "",
     )
+    if upcast and matmul_dtype == "auto":
+        logger.info(
+            "this CPU has no native %s matmul (oneDNN needs AVX-512 or AVX-NE-CONVERT): the "
+            "model's matmul weights are held in float32 (twice their memory) and multiplied "
+            "in float32; --cpu-matmul-dtype model keeps them in %s",
+            dtype,
+            dtype,
+        )
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else model_dir
     tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
     return LoadedModel(model=model, spec=spec, tokenizer=tokenizer, config=cfg, dtype=dtype)
 
 
-__all__ = ["LoadedModel", "load_model", "resolve_dtype"]
+def _upcasts(matmul_dtype: str, dtype: str, device: str) -> bool:
+    """Whether the loader holds the matmul weights in fp32 (:func:`load_model`)."""
+    if dtype not in ("bfloat16", "float16") or matmul_dtype == "model":
+        return False
+    return matmul_dtype == "float32" or not native_gemm(TORCH_DTYPES[dtype], device)
+
+
+__all__ = ["MATMUL_DTYPES", "LoadedModel", "load_model", "resolve_dtype"]

@@ -13,6 +13,7 @@ resume there (issue 12).
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -25,6 +26,7 @@ from hybridkv import LLM, SamplingParams
 from hybridkv.core.checkpoint import CheckpointPolicy
 from hybridkv.engine.config import EngineConfig
 from hybridkv.layers import packed_linear
+from hybridkv.layers.fp32_matmul import Fp32Linear
 from hybridkv.layers.gated_deltanet import GatedDeltaNet
 from hybridkv.ops import compiled
 from hybridkv.ops.gated_delta_rule import mixer_decode
@@ -176,6 +178,46 @@ def test_bf16_decodes_padded_to_a_key_multiple_keep_every_answer(
     exact = LLM(str(path), **options).generate(prompts, params, use_tqdm=False)
     for a, b in zip(padded, exact, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "nemotron_h"])  # GDN + MoE, Mamba2 + MoE
+def test_bf16_with_fp32_matmuls_cache_on_equals_off_equals_transformers(
+    arch: str, checkpoints: Any
+) -> None:
+    """A bf16 model whose matmuls run in fp32 (``cpu_matmul_dtype="float32"``, what "auto"
+    picks on a CPU that emulates bf16 matmuls): the multi-turn scenario gives the same
+    greedy replies with caching on and off, and transformers' in bf16 (teacher forcing, up
+    to bf16 ties). The SSM states are kept in fp32: a bf16 state page rounds the state
+    where a snapshot is taken, so a request resumed there departs by that rounding from
+    one computed straight through, whatever the matmuls (with bf16 states this scenario's
+    qwen3_next replies differ between caching on and off, bf16 matmuls or fp32)."""
+    hf, path = checkpoints(arch)
+    options = {**OPTIONS, "dtype": "bfloat16", "cpu_matmul_dtype": "float32"}
+    options["mamba_ssm_cache_dtype"] = "float32"  # see the docstring
+    on = LLM(str(path), **options)
+    assert any(isinstance(m, Fp32Linear) for m in on.engine.runner.model.modules())
+    off = LLM(str(path), enable_prefix_caching=False, **options)
+    with_cache, without = run_scenario(on), run_scenario(off)
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    for (p, reply, _), (p_off, reply_off, _) in zip(with_cache, without, strict=True):
+        assert p == p_off and reply == reply_off
+        assert_transformers_greedy_in_bf16(hf16, p, reply)
+    assert sum(c for _, _, c in with_cache) > 0
+
+
+BF16_TIE = 0.25  # logits closer than this are a tie in bf16 (two runs differ up to ~0.15)
+
+
+def assert_transformers_greedy_in_bf16(hf16: Any, prompt_ids: list[int], reply: list[int]) -> None:
+    """:func:`assert_transformers_greedy` against transformers in bf16, whose own rounding
+    differs from ours by up to ~0.15 in a logit (tests/models/test_loader.py): each reply
+    token is transformers' argmax, or within :data:`BF16_TIE` of it."""
+    logits = hf_logits(hf16, prompt_ids + reply).float()
+    n = len(prompt_ids)
+    rows = logits[n - 1 : n - 1 + len(reply)]
+    chosen = rows.gather(1, torch.tensor(reply)[:, None])[:, 0]
+    gaps = rows.max(dim=-1).values - chosen
+    assert float(gaps.max()) <= BF16_TIE, (gaps.tolist(), reply)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])

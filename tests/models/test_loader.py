@@ -12,7 +12,10 @@ from paged_runner import PagedRunner
 from safetensors.torch import load_file, save_file
 from tiny import EOS_ID, hf_logits, make_hf_model, save_checkpoint
 
+from hybridkv.layers.fp32_matmul import Fp32Embedding, Fp32Linear
+from hybridkv.layers.moe import GroupedExperts
 from hybridkv.models.loader import load_model
+from hybridkv.ops.cpu_gemm import native_gemm
 
 IDS = list(range(3, 40))
 
@@ -89,6 +92,60 @@ def test_bfloat16_load_matches_transformers_in_bfloat16(tmp_path: Path, get_tiny
     ref = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), IDS).float()
     diff = (run(lm16) - ref).abs()
     assert float(diff.max()) < 0.15 and float(diff.mean()) < 0.02
+
+
+def test_fp32_matmuls_of_a_bfloat16_model_match_transformers_in_bfloat16(
+    tmp_path: Path, get_tiny
+) -> None:
+    """``matmul_dtype="float32"``: every untied linear and the stacked experts hold fp32
+    weights, the model, its caches and its logits stay bf16's, as close to bf16
+    transformers as the bf16 load (test above)."""
+    hf, _ = get_tiny("qwen3_next")  # dense and MoE layers
+    lm = load_model(save_checkpoint(hf, tmp_path), "bfloat16", matmul_dtype="float32")
+    assert lm.spec.dtype == "bfloat16"
+    linears = [m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.dtype == torch.float32 for m in linears)
+    assert any(isinstance(m, Fp32Linear) for m in lm.model.modules())
+    experts = [m for m in lm.model.modules() if isinstance(m, GroupedExperts)]
+    assert experts and all(m.matmul_dtype == torch.float32 for m in experts)
+    assert lm.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    ref = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), IDS).float()
+    diff = (run(lm) - ref).abs()
+    assert float(diff.max()) < 0.15 and float(diff.mean()) < 0.02
+
+
+def test_fp32_matmuls_of_a_tied_bfloat16_model_share_one_table(tmp_path: Path) -> None:
+    """A tied LM head multiplies in fp32 from the same fp32 table the embedding reads its
+    (exact bf16) rows from; the logits stay as close to bf16 transformers'."""
+    hf = make_hf_model("qwen3_5_text", tie_word_embeddings=True)
+    lm = load_model(save_checkpoint(hf, tmp_path), "bfloat16", matmul_dtype="float32")
+    head, embedding = lm.model.lm_head, lm.model.model.embed_tokens
+    assert isinstance(head, Fp32Linear) and isinstance(embedding, Fp32Embedding)
+    assert head.inner.weight is embedding.weight and embedding.weight.dtype == torch.float32
+    ref = hf_logits(copy.deepcopy(hf).to(torch.bfloat16), IDS).float()
+    diff = (run(lm) - ref).abs()
+    assert float(diff.max()) < 0.15 and float(diff.mean()) < 0.02
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_matmul_dtype_auto_upcasts_only_an_emulated_dtype(
+    dtype: str, tmp_path: Path, get_tiny
+) -> None:
+    """ "auto" converts a bf16 model's weights where this CPU emulates bf16 matmuls, never
+    an fp32 model's; "model" never converts; anything else is refused."""
+    hf, _ = get_tiny("qwen3_5_text")
+    path = save_checkpoint(hf, tmp_path)
+
+    def converted(matmul_dtype: str) -> bool:
+        lm = load_model(path, dtype, matmul_dtype=matmul_dtype)
+        return any(isinstance(m, Fp32Linear) for m in lm.model.modules())
+
+    emulated = dtype == "bfloat16" and not native_gemm(torch.bfloat16)
+    assert converted("auto") == emulated
+    assert not converted("model")
+    assert converted("float32") == (dtype == "bfloat16")
+    with pytest.raises(ValueError, match="matmul_dtype"):
+        load_model(path, dtype, matmul_dtype="bfloat16")
 
 
 def test_ssm_dtype_option_sets_only_the_ssm_state(tmp_path: Path, get_tiny) -> None:
@@ -182,17 +239,26 @@ def test_unmapped_reads_equal_the_mapped_tensors(tmp_path: Path) -> None:
         assert torch.equal(read[name], tensor) and torch.equal(mapped[name], tensor), name
 
 
+@pytest.mark.parametrize("matmul_dtype", ["model", "float32"])
 def test_packed_load_gives_the_same_logits_in_bfloat16(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    matmul_dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``pack_weights``: weights read unmapped and packed (thresholds lowered so the tiny
-    model's are), the same bf16 logits as the plain load."""
+    model's are), the same bf16 logits as the plain load: the same bits with bf16 weights
+    (oneDNN's bf16 products equal F.linear's), within fp32 rounding (then rounded to bf16)
+    with the fp32 matmul weights of ``matmul_dtype="float32"`` (packed fp32 sums in
+    another order than MKL's)."""
     import hybridkv.layers.packed_linear as packed_linear
 
+    if matmul_dtype == "model" and not packed_linear.can_pack(torch.bfloat16):
+        pytest.skip("oneDNN cannot pack bf16 on this CPU (AVX2 alone)")
     path = save_checkpoint(make_hf_model("qwen3_5_text"), tmp_path)
-    plain = load_model(path, "bfloat16")
+    plain = load_model(path, "bfloat16", matmul_dtype=matmul_dtype)
     for dtype in list(packed_linear.MIN_PACKED_ELEMENTS):
         monkeypatch.setitem(packed_linear.MIN_PACKED_ELEMENTS, dtype, 0)
-    packed = load_model(path, "bfloat16", pack_weights=True)
+    packed = load_model(path, "bfloat16", pack_weights=True, matmul_dtype=matmul_dtype)
     assert any(isinstance(m, packed_linear.PackedLinear) for m in packed.model.modules())
-    assert torch.equal(run(packed), run(plain))
+    if matmul_dtype == "model":
+        assert torch.equal(run(packed), run(plain))
+    else:
+        torch.testing.assert_close(run(packed), run(plain), atol=0.05, rtol=0.02)

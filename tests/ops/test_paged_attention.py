@@ -188,14 +188,33 @@ def test_batched_matches_reference_and_dense(
         torch.testing.assert_close(out[lo:hi], batched_step.dense(r), atol=1e-5, rtol=1e-5)
 
 
+@pytest.fixture(params=["native", "emulated"])
+def bf16_gemm(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Attention takes bf16 matmuls only where the device multiplies bf16 natively
+    (ops/cpu_gemm.py), else SDPA: both paths, whatever this machine's CPU has."""
+    native = request.param == "native"
+    monkeypatch.setattr(batched, "native_gemm", lambda dtype, device="cpu": native)
+    return str(request.param)
+
+
+@pytest.fixture
+def bf16_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bf16 matmul path, as on a CPU that multiplies bf16 natively (it runs on any
+    CPU; where bf16 is emulated it is only slower than SDPA, so the engine skips it)."""
+    monkeypatch.setattr(batched, "native_gemm", lambda dtype, device="cpu": True)
+
+
 @pytest.mark.parametrize("multiple", [1, 16, 64], ids=lambda m: f"keys_x{m}")
 @pytest.mark.parametrize("window", [None, 5], ids=lambda w: f"window{w}")
 @pytest.mark.parametrize("name", ["mixed", "decodes", "fresh_ragged", "prefix_ragged"])
-def test_bf16_batched_matches_reference(name: str, window: int | None, multiple: int) -> None:
-    """In bf16 the decodes run as two matmuls around an fp32 softmax, the prefills as SDPA:
-    both within bf16 rounding of the reference and of dense fp32 attention, whatever
-    multiple the decodes' key columns are padded to (16 and 64: more columns than the
-    longest request's pages hold, in a NaN arena)."""
+def test_bf16_batched_matches_reference(
+    name: str, window: int | None, multiple: int, bf16_gemm: str
+) -> None:
+    """In bf16 the decodes and prefills run as two matmuls around an fp32 softmax where
+    bf16 matmuls are native, as SDPA where they are emulated: either way within bf16
+    rounding of the reference and of dense fp32 attention, whatever multiple the decodes'
+    key columns are padded to (16 and 64: more columns than the longest request's pages
+    hold, in a NaN arena)."""
     computed, new = STEPS[name]
     step = Step(computed, new, window, torch.bfloat16, seed=3, decode_key_multiple=multiple)
     out = step.run_batched()
@@ -221,6 +240,7 @@ def sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+@pytest.mark.usefixtures("bf16_native")
 @pytest.mark.parametrize("layout", ["apart", "kv"])
 def test_masked_bf16_prefills_run_as_matmuls_in_groups(
     layout: str, monkeypatch: pytest.MonkeyPatch, sdpa_calls: list[int]
@@ -269,6 +289,7 @@ def test_matmul_attention_same_bits_for_any_mask_dtype() -> None:
     assert torch.equal((probs @ v).view(3, HQ, 7, DV), out)
 
 
+@pytest.mark.usefixtures("bf16_native")
 def test_fresh_bf16_prefills_run_as_matmuls_over_the_causal_triangle(
     monkeypatch: pytest.MonkeyPatch, sdpa_calls: list[int]
 ) -> None:
@@ -326,6 +347,7 @@ def test_masked_prefills_keep_sdpa_for_a_tracked_cache_and_for_fp16() -> None:
         torch.testing.assert_close(out, ref_step.run_reference(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.usefixtures("bf16_native")
 def test_matmul_decodes_keep_their_shapes_while_keys_grow() -> None:
     """bf16 decodes pad their key columns to a multiple of 64, so a decode batch whose keys
     grow by one a step gives its matmuls one shape for 64 steps (oneDNN builds a kernel per
@@ -344,6 +366,23 @@ def test_matmul_decodes_keep_their_shapes_while_keys_grow() -> None:
         widths.add(built.decode.keys.width)
         assert int(built.decode.keys.valid.sum()) == 2 * length + 6  # padding stays masked
     assert widths == {192, 256}
+
+
+def test_emulated_bf16_attends_through_sdpa_over_exact_widths(
+    monkeypatch: pytest.MonkeyPatch, sdpa_calls: list[int]
+) -> None:
+    """Where bf16 matmuls are emulated (a CPU with AVX2 alone), bf16 decodes and prefills
+    run SDPA, whose kernel computes in fp32 inside, and the decodes' key columns are not
+    padded (the padding only served the matmuls' shapes)."""
+    monkeypatch.setattr(batched, "native_gemm", lambda dtype, device="cpu": False)
+    assert batched.decode_key_multiple(torch.bfloat16) == 1
+    for name in ("decodes", "prefix_ragged", "fresh_ragged"):
+        computed, new = STEPS[name]
+        sdpa_calls.clear()
+        out = Step(computed, new, None, torch.bfloat16, seed=7).run_batched()
+        ref = Step(computed, new, None, torch.bfloat16, seed=7).run_reference()
+        assert sdpa_calls, name
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
 
 
 def test_plan_uses_causal_rule_only_without_a_prefix() -> None:

@@ -55,6 +55,7 @@ class SpeculativeSetup:
             kv_dtype=loader_cache_dtype(engine.kv_cache_dtype),
             ssm_dtype=loader_cache_dtype(engine.mamba_ssm_cache_dtype),
             pack_weights=engine.pack_weights,
+            matmul_dtype=engine.cpu_matmul_dtype,
         )
         check_vocabulary(target, draft, config.model)
         return cls(config, with_draft(target.spec, draft.spec), target, draft)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridkv.ops.cpu_gemm import native_gemm
 from hybridkv.ops.paged_attention.plan import AttentionPlan, DecodeBatch, KeyGather, PrefillBatch
 from hybridkv.ops.row_copy import needs_grad, wide_rows
 from hybridkv.ops.tensor_memo import TensorMemo
@@ -28,8 +29,9 @@ _MATMUL_DTYPES = (torch.bfloat16,)
 MATMUL_DECODE_KEY_MULTIPLE = 64
 
 
-def decode_key_multiple(dtype: torch.dtype) -> int:
-    """The multiple the decodes' key columns are padded to for queries of ``dtype``.
+def decode_key_multiple(dtype: torch.dtype, device: torch.device | str = "cpu") -> int:
+    """The multiple the decodes' key columns are padded to for queries of ``dtype`` on
+    ``device``.
 
     The bf16 decode is two matmuls (:func:`_decode`), which oneDNN runs through a
     kernel it generates for each new shape (~250 us each on this machine's CPU, a step's
@@ -39,9 +41,10 @@ def decode_key_multiple(dtype: torch.dtype) -> int:
     shape seen before, 1,134 us at a new one. Padded to a multiple of 64 columns, a shape
     repeats for 64 steps; the padding columns are masked (at most 63 more scores a row).
     fp32 and fp16 keep exact widths: their SDPA is ATen's own kernel, and padding would only
-    add work.
+    add work; so does bf16 where its matmuls are emulated (:func:`_takes_matmuls`).
     """
-    return MATMUL_DECODE_KEY_MULTIPLE if dtype in _MATMUL_DTYPES else 1
+    takes_matmuls = dtype in _MATMUL_DTYPES and native_gemm(dtype, device)
+    return MATMUL_DECODE_KEY_MULTIPLE if takes_matmuls else 1
 
 
 def store_kv(
@@ -235,9 +238,17 @@ def _decode(
 
 
 def _takes_matmuls(q: Tensor, key_cache: Tensor, value_cache: Tensor) -> bool:
-    """Whether attention of ``q`` runs as :func:`_matmul_attention`: bf16 and no autograd
-    (its matmuls write into workspace buffers, which autograd refuses)."""
-    return q.dtype in _MATMUL_DTYPES and not any(needs_grad(x) for x in (q, key_cache, value_cache))
+    """Whether attention of ``q`` runs as :func:`_matmul_attention`: bf16 on a device that
+    multiplies bf16 natively, and no autograd (its matmuls write into workspace buffers,
+    which autograd refuses). Where bf16 matmuls are emulated (a CPU with AVX2 alone,
+    :mod:`hybridkv.ops.cpu_gemm`), SDPA's kernel, which computes in fp32 inside, is far
+    faster: W1-like run of issue 13 cut to 16 requests, bf16 weights upcast, one thread,
+    the attention layers 0.60 s as matmuls against 0.07 s through SDPA."""
+    return (
+        q.dtype in _MATMUL_DTYPES
+        and native_gemm(q.dtype, q.device)
+        and not any(needs_grad(x) for x in (q, key_cache, value_cache))
+    )
 
 
 def _prefill(
