@@ -55,13 +55,18 @@ for t in model.state_dict().values():
 print(json.dumps({{"seconds": seconds, "peak": loaded, "touched": rss("VmHWM"), "before": before}}))
 """
 LOADERS = {
-    "hybridkv": (
+    "hybridkv": (  # bf16 weights (issue 15's target) even on a CPU that emulates bf16
         "from hybridkv.models.loader import load_model",
-        "model = load_model(sys.argv[1], 'bfloat16').model",
+        "model = load_model(sys.argv[1], 'bfloat16', matmul_dtype='model').model",
+    ),
+    "hybridkv fp32 matmuls": (  # --cpu-matmul-dtype float32 (auto on an AVX2-only CPU)
+        "from hybridkv.models.loader import load_model",
+        "model = load_model(sys.argv[1], 'bfloat16', matmul_dtype='float32').model",
     ),
     "hybridkv packed": (  # --pack-weights: the oneDNN-packed linears, read unmapped
         "from hybridkv.models.loader import load_model",
-        "model = load_model(sys.argv[1], 'bfloat16', pack_weights=True).model",
+        "model = load_model(sys.argv[1], 'bfloat16', pack_weights=True,"
+        " matmul_dtype='model').model",
     ),
     "transformers": (
         "from transformers import AutoModelForCausalLM",

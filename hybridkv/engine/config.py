@@ -122,9 +122,10 @@ class EngineConfig:
         cpu_matmul_dtype: what a bf16 / fp16 model's matmuls run in: 'auto' is float32 on
             a CPU that only emulates the model dtype's matmuls (AVX2 alone: no AVX-512,
             AVX-NE-CONVERT or AMX; there bf16 runs several times slower than fp32), the
-            model dtype elsewhere; 'float32' always; 'model' never. In float32 the matmul
-            weights take twice their memory and every product is rounded back to the model
-            dtype (hybridkv.layers.fp32_matmul).
+            model dtype elsewhere; 'float32' always (on the CPU); 'model' never. In float32
+            the matmul weights take twice their memory and every product is rounded back
+            to the model dtype (hybridkv.layers.fp32_matmul). Where bf16 matmuls are
+            emulated, attention runs through SDPA whatever this option says.
         enforce_eager: run every op eagerly (vLLM's flag): no torch.compile of the few
             ops that compile (hybridkv.ops.compiled), so start-up skips their compile
             (~1.6 s; ~8 s on a machine whose compile cache is empty), and decode steps are

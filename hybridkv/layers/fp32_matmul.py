@@ -19,6 +19,13 @@ fp32 table (:func:`upcast_tied_pair`, which the model calls from its own
 The loader upcasts after loading the checkpoint (the engine's ``cpu_matmul_dtype``: "auto"
 does it where :func:`~hybridkv.ops.cpu_gemm.native_gemm` says the model dtype is emulated);
 ``pack_weights`` then packs the fp32 weights for oneDNN like any fp32 model's.
+
+What the bf16 kernel gave and this does not: bit-for-bit the same row whatever the number
+of rows in the call. MKL picks its fp32 kernel by the row count, so a row's fp32 sums, and
+once in a while its bf16 rounding, depend on what shares the step (as for an fp32 model
+served unpacked); greedy answers still equal with caching on and off in the tests
+(tests/engine/test_engine_equivalence.py). ``pack_weights`` restores it: packed fp32
+products are the same for any row count (tests/layers/test_fp32_matmul.py).
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ class Fp32Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp32Linear:
         """``linear`` with its weight (and bias) converted to fp32, for inference."""
-        inner = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        inner = _empty_linear(linear.in_features, linear.out_features, linear.bias is not None)
         inner.weight = nn.Parameter(linear.weight.detach().to(FP32), requires_grad=False)
         if linear.bias is not None:
             inner.bias = nn.Parameter(linear.bias.detach().to(FP32), requires_grad=False)
@@ -93,9 +100,16 @@ def upcast_tied_pair(embedding: nn.Embedding, head: nn.Linear) -> tuple[nn.Modul
     if head.weight is not weight or weight.dtype not in REDUCED_DTYPES:
         return embedding, head
     table = nn.Parameter(weight.detach().to(FP32), requires_grad=False)
-    inner = nn.Linear(head.in_features, head.out_features, bias=False)
+    inner = _empty_linear(head.in_features, head.out_features, bias=False)
     inner.weight = table
     return Fp32Embedding(table, weight.dtype), Fp32Linear(inner)
+
+
+def _empty_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
+    """An ``nn.Linear`` whose parameters are on the meta device, to be replaced: built on
+    the CPU it would allocate and randomly initialise a weight only to drop it (~5 s and
+    1 GB for Qwen3.5-0.8B's tied head)."""
+    return nn.Linear(in_features, out_features, bias=bias, device="meta")
 
 
 def upcast_linears(model: nn.Module) -> int:

@@ -201,10 +201,11 @@ def load_model(
     (:mod:`hybridkv.layers.packed_linear`): faster, inference only; the checkpoint is
     then read into memory rather than mapped (a packed copy made from mapped pages would
     leave them resident beside it), which makes the load slower. ``matmul_dtype`` (one of
-    :data:`MATMUL_DTYPES`): "float32" holds a bf16 / fp16 model's matmul weights in fp32
-    and runs its products in fp32 (:mod:`hybridkv.layers.fp32_matmul`); "auto" does so
-    where ``device`` only emulates the model dtype's matmuls
-    (:func:`~hybridkv.ops.cpu_gemm.native_gemm`: a CPU with AVX2 alone); "model" never.
+    :data:`MATMUL_DTYPES`), on the CPU: "float32" holds a bf16 / fp16 model's matmul
+    weights in fp32 and runs its products in fp32 (:mod:`hybridkv.layers.fp32_matmul`;
+    the checkpoint is then read unmapped too); "auto" does so where the CPU only emulates
+    the model dtype's matmuls (:func:`~hybridkv.ops.cpu_gemm.native_gemm`: AVX2 alone);
+    "model" never.
 
     Raises:
         ValueError: unsupported dtype or model type.
@@ -233,19 +234,26 @@ def load_model(
     model.materialize_device = torch.device(device)
     files = safetensors_files(model_dir)
     pack = pack_weights and device == "cpu"
+    upcasts = _upcasts(matmul_dtype, dtype, device)
     progress = len(files) > 1 and sys.stderr.isatty()
-    # packing copies the weights: read them unmapped, or the mapped pages stay resident too
-    model.load_weights(iter_safetensors(files, progress=progress, mapped=not pack))
+    # packing and fp32 matmul weights copy the weights: read them unmapped, or the mapped
+    # pages stay resident beside the copies while any tensor of the file lives
+    model.load_weights(iter_safetensors(files, progress=progress, mapped=not (pack or upcasts)))
     model.to(device)  # the buffers; the parameters are there already
     model.eval()
-    upcast = upcast_linears(model) if _upcasts(matmul_dtype, dtype, device) else 0
+    upcast = upcast_linears(model) if upcasts else 0
     packed = pack_linears(model) if pack else 0
+    by_dtype: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        by_dtype[param.dtype] = by_dtype.get(param.dtype, 0) + param.numel() * param.element_size()
     logger.info(
-        "loaded %s in %.1f s: %.2f GiB of %s weights from %d shard(s), %d linear(s) packed%s",
+        "loaded %s (%s) in %.1f s: %s of weights from %d shard(s), %d linear(s) packed%s",
         model_dir,
-        time.perf_counter() - start,
-        sum(p.numel() * p.element_size() for p in model.parameters()) / (1 << 30),
         dtype,
+        time.perf_counter() - start,
+        ", ".join(
+            f"{n / (1 << 30):.2f} GiB {str(d).removeprefix('torch.')}" for d, n in by_dtype.items()
+        ),
         len(files),
         packed,
         f", {upcast} held in float32 for fp32 matmuls" if upcast else "",
@@ -263,9 +271,14 @@ def load_model(
     return LoadedModel(model=model, spec=spec, tokenizer=tokenizer, config=cfg, dtype=dtype)
 
 
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _upcasts(matmul_dtype: str, dtype: str, device: str) -> bool:
-    """Whether the loader holds the matmul weights in fp32 (:func:`load_model`)."""
-    if dtype not in ("bfloat16", "float16") or matmul_dtype == "model":
+    """Whether the loader holds the matmul weights in fp32 (:func:`load_model`): on the
+    CPU only (other devices multiply their model dtype natively)."""
+    if dtype not in ("bfloat16", "float16") or matmul_dtype == "model" or device != "cpu":
         return False
     return matmul_dtype == "float32" or not native_gemm(TORCH_DTYPES[dtype], device)
 

@@ -1,8 +1,9 @@
 """fp32 matmuls for a bf16 / fp16 model: the model dtype's products up to summation order.
 
 A converted linear rounds ``fp32(x) @ fp32(W)^T`` to the model dtype, so its output is
-the bf16 kernel's (which also sums in fp32) up to the order of the sums; weights that
-something else reads (a tied LM head, ``keep_plain``) are never converted.
+the bf16 kernel's (which also sums in fp32) up to the order of the sums. Weights that
+something else reads by name (``keep_plain``) are never converted; a tied LM head and its
+embedding are converted together, onto one fp32 table (``upcast_tied_pair``).
 """
 
 from __future__ import annotations
@@ -125,6 +126,27 @@ def test_packing_after_upcast_packs_the_fp32_weights(monkeypatch: pytest.MonkeyP
     assert ulps(packed, plain) <= 1.0
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_packed_fp32_products_are_the_same_for_any_row_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Plain fp32 products (MKL) may change with the row count, and so, once in a while,
+    their bf16 rounding; packed, a row's product is the same in any batch (what
+    ``pack_weights`` gives back, fp32_matmul's module doc)."""
+    import hybridkv.layers.packed_linear as packed_linear
+
+    monkeypatch.setitem(packed_linear.MIN_PACKED_ELEMENTS, torch.float32, 0)
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(1024, 2048, bias=False)).to(torch.bfloat16)
+    upcast_linears(model)
+    assert pack_linears(model) == 1
+    x = torch.randn(64, 1024, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        full = model(x)
+        for rows in (1, 2, 3, 5, 17):
+            assert torch.equal(model(x[:rows]), full[:rows]), rows
+
+
 def expert_reference(x: torch.Tensor, experts: GroupedExperts, ids: list[int]) -> torch.Tensor:
     """Each row through its expert as two Fp32Linear-style products (rounded to x's dtype
     after each), the activation in x's dtype."""
@@ -164,3 +186,22 @@ def test_experts_upcast_run_fp32_products_in_the_sorted_layout(tokens: int) -> N
     # MKL's fp32 sums may take another order for another row count: one rounding apart
     assert ulps(out, reference) <= 1.0
     torch.testing.assert_close(after.float(), before.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this torch")
+def test_experts_upcast_then_packed_give_the_upcast_products() -> None:
+    """upcast_weights, then pack_weights (the loader's order with --pack-weights): each
+    expert runs packed fp32 linears on bf16 rows, within fp32 rounding of the unpacked
+    upcast experts (then rounded to bf16)."""
+    torch.manual_seed(4)
+    experts = GroupedExperts(4, 32, 24, F.silu).to(torch.bfloat16)
+    experts.upcast_weights()
+    x = torch.randn(9, 32, dtype=torch.bfloat16)
+    ids = torch.randint(0, 4, (9, 2))
+    weights = torch.softmax(torch.randn(9, 2), -1).to(torch.bfloat16)
+    with torch.inference_mode():
+        unpacked = moe_forward(x, weights, ids, experts)
+        assert experts.pack_weights(min_elements=0) == 8
+        packed = moe_forward(x, weights, ids, experts)
+    assert packed.dtype == torch.bfloat16
+    assert ulps(packed, unpacked) <= 2.0
