@@ -8,9 +8,11 @@ and the per-expert slices of its MoE (M of a few rows). When bf16 takes a native
 runs at about 2x fp32 or better at large M; an emulated path (convert to fp32 and back) is
 slower than fp32. Each figure is the best of ``--repeats`` timings of enough calls for
 about ``--flops`` floating-point operations; the ratio column is the one to read on a
-shared machine (both dtypes timed back to back). The "packed" columns time the engine's
-CPU path, the weight laid out once for oneDNN (``hybridkv.layers.packed_linear``), against
-plain ``F.linear`` on the same shape, back to back.
+shared machine (both dtypes timed back to back). It also says what the engine's
+``--cpu-matmul-dtype auto`` picks here (fp32 matmuls where bf16 is emulated). The "packed"
+columns time the engine's CPU path, the weight laid out once for oneDNN
+(``hybridkv.layers.packed_linear``), against plain ``F.linear`` on the same shape, back to
+back ("nan": oneDNN cannot pack that dtype on this CPU).
 
 Usage: ``python benchmarks/cpu_matmul_dtypes.py [--threads 1]``.
 """
@@ -25,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridkv.layers.packed_linear import PackedLinear
+from hybridkv.ops.cpu_gemm import native_gemm
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
 # (M, K, N): decode/prefill rows through the model's projections and experts
@@ -92,6 +95,12 @@ def main() -> None:
         f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
         f"mkldnn {'available' if torch.backends.mkldnn.is_available() else 'absent'}, "
         f"{args.threads} thread(s); best of {args.repeats}"
+    )
+    native = native_gemm(torch.bfloat16)
+    print(
+        f"bf16 matmuls {'native' if native else 'emulated'} here: --cpu-matmul-dtype auto "
+        f"runs a bf16 model's matmuls in {'bf16' if native else 'fp32'} "
+        "(hybridkv.layers.fp32_matmul)"
     )
     header = ("M", "K", "N", "fp32", "bf16", "bf16/fp32", "fp32 packed", "bf16 packed")
     print("GFLOP/s; packed: the engine's pre-packed weight, and its speed-up over plain")
