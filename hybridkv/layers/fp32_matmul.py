@@ -107,8 +107,8 @@ def upcast_tied_pair(embedding: nn.Embedding, head: nn.Linear) -> tuple[nn.Modul
 
 def _empty_linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
     """An ``nn.Linear`` whose parameters are on the meta device, to be replaced: built on
-    the CPU it would allocate and randomly initialise a weight only to drop it (~5 s and
-    1 GB for Qwen3.5-0.8B's tied head)."""
+    the CPU it would allocate and randomly initialise a weight only to drop it (0.31 s per
+    16M elements measured in review: some 5 s and 1 GB for Qwen3.5-0.8B's tied head)."""
     return nn.Linear(in_features, out_features, bias=bias, device="meta")
 
 
