@@ -251,9 +251,7 @@ def load_model(
         model_dir,
         dtype,
         time.perf_counter() - start,
-        ", ".join(
-            f"{n / (1 << 30):.2f} GiB {str(d).removeprefix('torch.')}" for d, n in by_dtype.items()
-        ),
+        ", ".join(f"{n / (1 << 30):.2f} GiB {_name(d)}" for d, n in by_dtype.items()),
         len(files),
         packed,
         f", {upcast} held in float32 for fp32 matmuls" if upcast else "",

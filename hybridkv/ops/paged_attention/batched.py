@@ -43,8 +43,13 @@ def decode_key_multiple(dtype: torch.dtype, device: torch.device | str = "cpu") 
     fp32 and fp16 keep exact widths: their SDPA is ATen's own kernel, and padding would only
     add work; so does bf16 where its matmuls are emulated (:func:`_takes_matmuls`).
     """
-    takes_matmuls = dtype in _MATMUL_DTYPES and native_gemm(dtype, device)
-    return MATMUL_DECODE_KEY_MULTIPLE if takes_matmuls else 1
+    return MATMUL_DECODE_KEY_MULTIPLE if _matmul_dtype(dtype, device) else 1
+
+
+def _matmul_dtype(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether ``dtype`` attention on ``device`` may take the matmuls: bf16, multiplied
+    natively there (:func:`_takes_matmuls`)."""
+    return dtype in _MATMUL_DTYPES and native_gemm(dtype, device)
 
 
 def store_kv(
@@ -244,10 +249,8 @@ def _takes_matmuls(q: Tensor, key_cache: Tensor, value_cache: Tensor) -> bool:
     :mod:`hybridkv.ops.cpu_gemm`), SDPA's kernel, which computes in fp32 inside, is far
     faster: W1-like run of issue 13 cut to 16 requests, bf16 weights upcast, one thread,
     the attention layers 0.60 s as matmuls against 0.07 s through SDPA."""
-    return (
-        q.dtype in _MATMUL_DTYPES
-        and native_gemm(q.dtype, q.device)
-        and not any(needs_grad(x) for x in (q, key_cache, value_cache))
+    return _matmul_dtype(q.dtype, q.device) and not any(
+        needs_grad(x) for x in (q, key_cache, value_cache)
     )
 
 
