@@ -163,20 +163,29 @@ def parameters_on_meta() -> Iterator[None]:
     ``init_empty_weights(include_buffers=False)`` does): each new parameter is replaced by a
     meta one, so its initialisation (which runs after registration) costs nothing. A
     parameter already on meta is kept as is, so ties (``lm_head.weight = embed.weight``)
-    stay ties. Not for use from two threads at once.
+    stay ties. ``nn.init.normal_`` leaves a meta tensor alone: on meta it runs torch's
+    Python reference, which imports dynamo (1.7 s on a slow machine, for an engine that may
+    never compile: hybridkv.ops.compiled), and fills nothing anyway. Not for use from two
+    threads at once.
     """
     register = nn.Module.register_parameter
+    normal = nn.init.normal_
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
+    def normal_unless_meta(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return tensor if tensor.is_meta else normal(tensor, *args, **kwargs)
+
     nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+    nn.init.normal_ = normal_unless_meta
     try:
         yield
     finally:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
+        nn.init.normal_ = normal
 
 
 def load_model(

@@ -46,8 +46,6 @@ from typing import Any, Generic, ParamSpec, TypeVar
 
 import torch
 from torch import Tensor
-from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
-from torch._inductor.exc import InductorError
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from hybridkv.ops.direct_calls import DirectCalls
@@ -57,10 +55,6 @@ R = TypeVar("R")
 
 logger = logging.getLogger(__name__)
 
-_COMPILE_FAILURES = (BackendCompilerFailed, InductorError)
-# raised for one call: a combination of inputs past the recompile limit (or a graph break,
-# which would be a bug in a fused form); other combinations stay compiled
-_CALL_FAILURES = (FailOnRecompileLimitHit, Unsupported)
 _ENFORCE_EAGER = os.environ.get("HYBRIDKV_ENFORCE_EAGER", "").lower() in ("1", "true", "yes")
 _eager_here: ContextVar[bool] = ContextVar("hybridkv_eager_ops", default=False)
 
@@ -78,6 +72,22 @@ def running_eagerly() -> Iterator[None]:
 def compile_enabled() -> bool:
     """Whether the ops of this module compile here and now."""
     return not (_ENFORCE_EAGER or _eager_here.get())
+
+
+def _failures() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
+    """(raised while compiling, raised for one call): the second for a combination of inputs
+    past the recompile limit (or a graph break, which would be a bug in a fused form), other
+    combinations staying compiled.
+
+    Imported here, on the first compile, not with this module: dynamo and inductor take
+    ~1.6-3 s to import on a slow machine (measured on a 2-core AVX2 EPYC: ``import
+    torch._dynamo`` 1.7 s, inductor's compiler 1.35 s more), which a model without compiled
+    ops (every family but the Gated DeltaNet ones) or an ``enforce_eager`` engine would pay
+    at start-up for nothing."""
+    from torch._dynamo.exc import BackendCompilerFailed, FailOnRecompileLimitHit, Unsupported
+    from torch._inductor.exc import InductorError
+
+    return (BackendCompilerFailed, InductorError), (FailOnRecompileLimitHit, Unsupported)
 
 
 def _tracks_grad(args: tuple[object, ...]) -> bool:
@@ -140,6 +150,7 @@ class CompiledOp(Generic[P, R]):
         if direct is not None:  # a graph dynamo ran for these arguments before
             self.num_compiled_calls += 1
             return self.direct.call(direct, args)  # type: ignore[no-any-return]
+        compile_failures, call_failures = _failures()
         if self._compiled is None:
             try:
                 self._compiled = torch.compile(
@@ -155,10 +166,10 @@ class CompiledOp(Generic[P, R]):
         try:
             with self.direct.recording() as recording:
                 out = self._compiled(*args, **kwargs)
-        except _COMPILE_FAILURES as exc:  # raised while compiling, before anything ran
+        except compile_failures as exc:  # raised while compiling, before anything ran
             self._fail(exc)
             return self.eager(*args, **kwargs)
-        except _CALL_FAILURES as exc:  # this combination of inputs only (nothing ran)
+        except call_failures as exc:  # this combination of inputs only (nothing ran)
             variant = _variant(args)
             self._eager_variants.add(variant)
             logger.warning(

@@ -48,10 +48,8 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch._dynamo.eval_frame as dynamo_frames
 from torch import Tensor
 from torch._C._dynamo.guards import GlobalStateGuard
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from hybridkv.ops.tensor_memo import TensorMemo, missing
@@ -145,7 +143,7 @@ class DirectCalls:
 
     def find(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[DirectCall, int] | None:
         """The direct call for these arguments and their batch size, if one was learnt."""
-        if kwargs or not _plain_modes():
+        if not self._calls or kwargs or not _plain_modes():
             return None
         layout = _layout(args)
         if layout is None:
@@ -196,7 +194,11 @@ class DirectCalls:
 
 def _plain_modes() -> bool:
     """No torch-function or dispatch mode active and dynamo on as by default: what dynamo
-    checks besides the global state guard (a mode sees no op of a direct call)."""
+    checks besides the global state guard (a mode sees no op of a direct call). Dynamo is
+    imported by then (a call was learnt, or one is being compiled), so the import is a
+    lookup; at this module's import it would cost seconds (hybridkv.ops.compiled)."""
+    import torch._dynamo.eval_frame as dynamo_frames
+
     return (
         torch._C._len_torch_function_stack() == 0
         and _get_current_dispatch_mode() is None
@@ -206,6 +208,8 @@ def _plain_modes() -> bool:
 
 
 def _size_kind(node: torch.fx.Node) -> str | None:
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
     value = node.meta.get("example_value")
     if not isinstance(value, torch.SymInt):
         return None

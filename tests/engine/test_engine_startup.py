@@ -9,6 +9,8 @@ import json
 import logging
 import shlex
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -230,3 +232,42 @@ def test_a_draft_models_layers_are_planned_with_the_cache_dtypes(
     assert stats["capacity"] == expected | {"model": stats["capacity"]["model"]}
     without_draft = plan_json(command.split(": ", 1)[1].split(" --draft-model")[0], capsys)
     assert without_draft["state_bytes_per_seq"] != expected["state_bytes_per_seq"]
+
+
+# dynamo and inductor: seconds to import on a slow machine (hybridkv.ops.compiled._failures)
+COMPILER_MODULES = ("torch._dynamo", "torch._inductor")
+SERVE_WITHOUT_COMPILER = """
+import sys
+from hybridkv import LLM, SamplingParams
+import hybridkv.cli, hybridkv.server
+loaded = [m for m in {modules!r} if m in sys.modules]
+assert not loaded, f"imported with hybridkv: {{loaded}}"
+llm = LLM({path!r}, enforce_eager={eager!r}, max_model_len=128, cache_memory_gib=0.02)
+out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0))
+assert len(out[0].outputs[0].token_ids) == 4
+loaded = [m for m in {modules!r} if m in sys.modules]
+print("LOADED", ",".join(loaded))
+"""
+
+
+@pytest.mark.parametrize(
+    ("arch", "eager", "compiles"),
+    [("nemotron_h", False, False), (ARCH, True, False), (ARCH, False, True)],
+    ids=["no-compiled-ops", "enforce-eager", "gdn-compiles"],
+)
+def test_the_compiler_is_imported_only_by_an_engine_that_compiles(
+    checkpoints: Any, arch: str, eager: bool, compiles: bool
+) -> None:
+    """Importing hybridkv (the engine, the CLI, the server) imports neither dynamo nor
+    inductor, and an engine imports them only to compile: a model without compiled ops
+    (a Mamba2 hybrid) or an ``enforce_eager`` engine serves without them (regression:
+    ``hybridkv.ops.compiled`` imported dynamo with the package, 1.7 s of every start-up on
+    a slow machine). A fresh interpreter: this one has imported them long ago."""
+    _, path = checkpoints(arch)
+    code = SERVE_WITHOUT_COMPILER.format(modules=COMPILER_MODULES, path=str(path), eager=eager)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    loaded = done.stdout.split("LOADED ", 1)[1].strip()
+    assert loaded == (",".join(COMPILER_MODULES) if compiles else "")
