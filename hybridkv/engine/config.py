@@ -124,7 +124,9 @@ class EngineConfig:
             AVX-NE-CONVERT or AMX; there bf16 runs several times slower than fp32), the
             model dtype elsewhere; 'float32' always (on the CPU); 'model' never. In float32
             the matmul weights take twice their memory and every product is rounded back
-            to the model dtype (hybridkv.layers.fp32_matmul). Where bf16 matmuls are
+            to the model dtype (hybridkv.layers.fp32_matmul); 'auto' keeps the model dtype
+            (and warns) where those copies would not fit beside the cache
+            (hybridkv.engine.startup.weight_memory_limit). Where bf16 matmuls are
             emulated, attention runs through SDPA whatever this option says.
         enforce_eager: run every op eagerly (vLLM's flag): no torch.compile of the few
             ops that compile (hybridkv.ops.compiled), so start-up skips their compile

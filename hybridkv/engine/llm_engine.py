@@ -53,6 +53,7 @@ from hybridkv.engine.startup import (
     log_capacity,
     plan_command,
     read_chat_template,
+    weight_memory_limit,
 )
 from hybridkv.engine.stopping import final_text, update_and_check
 from hybridkv.engine.structured_output import GrammarMatcher, StructuredOutputManager
@@ -115,6 +116,7 @@ class LLMEngine:
             tokenizer_dir=config.tokenizer,
             pack_weights=config.pack_weights,
             matmul_dtype=config.cpu_matmul_dtype,
+            weight_memory_limit=weight_memory_limit(config, self.device),
         )
         self.model_config = loaded.config
         self.spec = loaded.spec

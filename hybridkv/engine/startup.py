@@ -59,6 +59,28 @@ def available_memory_bytes(device: torch.device) -> tuple[int, int]:
     return int(available), int(total)
 
 
+# of the RAM available before the load, what the weights may take (the loader's limit on
+# holding matmul weights in fp32): beside a fixed cache, all but a tenth (activations, the
+# heap, the tokenizer); with a cache sized by gpu_memory_utilization from what the weights
+# leave, half (so the fp32 copies cannot shrink that cache below half the RAM's share)
+WEIGHTS_SHARE_BESIDE_FIXED_CACHE = 0.9
+WEIGHTS_SHARE_BESIDE_SIZED_CACHE = 0.5
+
+
+def weight_memory_limit(config: EngineConfig, device: torch.device) -> int | None:
+    """How many bytes the loaded weights may take (None off the CPU), measured now, before
+    the load: the limit past which "auto" keeps a bf16 model's matmuls in bf16 rather than
+    holding fp32 copies (hybridkv.models.loader). A negative limit (the fixed cache alone
+    passes the available RAM) leaves the model dtype too; the cache itself is checked later."""
+    if device.type != "cpu":
+        return None
+    available, _ = available_memory_bytes(device)
+    fixed = config.fixed_cache_memory_bytes
+    if fixed is None:
+        return int(WEIGHTS_SHARE_BESIDE_SIZED_CACHE * available)
+    return int(WEIGHTS_SHARE_BESIDE_FIXED_CACHE * available) - fixed
+
+
 def cache_budget(config: EngineConfig, device: torch.device) -> CacheBudget:
     """The cache size in bytes (call after the weights are loaded).
 

@@ -17,7 +17,8 @@ fp32 table (:func:`upcast_tied_pair`, which the model calls from its own
 :func:`~hybridkv.layers.packed_linear.keep_plain`, and it stays in the model dtype.
 
 The loader upcasts after loading the checkpoint (the engine's ``cpu_matmul_dtype``: "auto"
-does it where :func:`~hybridkv.ops.cpu_gemm.native_gemm` says the model dtype is emulated);
+does it where :func:`~hybridkv.ops.cpu_gemm.native_gemm` says the model dtype is emulated,
+and the copies, counted beforehand by :func:`upcast_extra_bytes`, fit in memory);
 ``pack_weights`` then packs the fp32 weights for oneDNN like any fp32 model's.
 
 What the bf16 kernel gave and this does not: bit-for-bit the same row whatever the number
@@ -136,6 +137,26 @@ def upcast_linears(model: nn.Module) -> int:
     return len(replaced) + own
 
 
+def upcast_extra_bytes(model: nn.Module) -> int:
+    """The bytes :func:`upcast_linears` would add to ``model``: each weight it would hold in
+    fp32, less its bytes now. Read from the parameters' shapes and dtypes alone, so the
+    loader asks on the model built on meta, before a byte of the checkpoint is read (and
+    keeps the model dtype where the copies would not fit). Counted: every parameter of a
+    plain reduced-precision linear (a tied LM head's table once: its embedding shares it)
+    and those a module of its own layout holds directly (stacked experts). An upper bound:
+    a weight some other module reads by identity stays as it is but is counted."""
+    seen: set[int] = set()
+    extra = 0
+    for module in model.modules():
+        if not (is_plain(module) or isinstance(module, UpcastsOwnWeights)):
+            continue
+        for param in module.parameters(recurse=False):
+            if param.dtype in REDUCED_DTYPES and id(param) not in seen:
+                seen.add(id(param))
+                extra += param.numel() * (FP32.itemsize - param.element_size())
+    return extra
+
+
 def _convertible(module: nn.Module, shared: set[int]) -> bool:
     return (
         is_plain(module)
@@ -149,6 +170,7 @@ __all__ = [
     "Fp32Embedding",
     "Fp32Linear",
     "UpcastsOwnWeights",
+    "upcast_extra_bytes",
     "upcast_linears",
     "upcast_tied_pair",
 ]

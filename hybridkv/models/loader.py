@@ -29,8 +29,9 @@ from torch import Tensor, nn
 
 from hybridkv.core.model_config import flatten_text_config, model_spec_from_config
 from hybridkv.core.spec import ModelSpec, canonical_dtype
+from hybridkv.core.units import GIB
 from hybridkv.forward.views import TORCH_DTYPES
-from hybridkv.layers.fp32_matmul import upcast_linears
+from hybridkv.layers.fp32_matmul import upcast_extra_bytes, upcast_linears
 from hybridkv.layers.packed_linear import pack_linears
 from hybridkv.models.base import CausalLM
 from hybridkv.models.registry import model_class
@@ -198,6 +199,7 @@ def load_model(
     tokenizer_dir: str | Path | None = None,
     pack_weights: bool = False,
     matmul_dtype: str = "auto",
+    weight_memory_limit: int | None = None,
 ) -> LoadedModel:
     """Build the model of ``model_dir`` in ``dtype`` and load its weights.
 
@@ -214,7 +216,10 @@ def load_model(
     weights in fp32 and runs its products in fp32 (:mod:`hybridkv.layers.fp32_matmul`;
     the checkpoint is then read unmapped too); "auto" does so where the CPU only emulates
     the model dtype's matmuls (:func:`~hybridkv.ops.cpu_gemm.native_gemm`: AVX2 alone);
-    "model" never.
+    "model" never. ``weight_memory_limit``: the bytes the loaded weights may take (None:
+    no limit; the engine's :func:`~hybridkv.engine.startup.weight_memory_limit`): "auto"
+    keeps the model dtype where the fp32 copies would pass it (a warning says so), and an
+    asked "float32" warns that they may not fit.
 
     Raises:
         ValueError: unsupported dtype or model type.
@@ -243,7 +248,9 @@ def load_model(
     model.materialize_device = torch.device(device)
     files = safetensors_files(model_dir)
     pack = pack_weights and device == "cpu"
-    upcasts = _upcasts(matmul_dtype, dtype, device)
+    upcasts = _upcasts(matmul_dtype, dtype, device) and _upcast_fits(
+        model, matmul_dtype, dtype, weight_memory_limit
+    )
     progress = len(files) > 1 and sys.stderr.isatty()
     # packing and fp32 matmul weights copy the weights: read them unmapped, or the mapped
     # pages stay resident beside the copies while any tensor of the file lives
@@ -276,6 +283,38 @@ def load_model(
     tokenizer_dir = Path(tokenizer_dir) if tokenizer_dir is not None else model_dir
     tokenizer = Tokenizer(tokenizer_dir) if (tokenizer_dir / "tokenizer.json").is_file() else None
     return LoadedModel(model=model, spec=spec, tokenizer=tokenizer, config=cfg, dtype=dtype)
+
+
+def _upcast_fits(model: nn.Module, matmul_dtype: str, dtype: str, limit: int | None) -> bool:
+    """Whether the loader holds ``model``'s matmul weights in fp32, asked for or chosen by
+    "auto": "auto" only where the weights, fp32 copies included, stay within ``limit``
+    bytes. Otherwise the model dtype's emulated matmuls are slow, but an fp32 copy that
+    does not fit would be worse: the load killed for lack of memory, or the cache left
+    without room (a bf16 model of 160 GB becomes 320 GB). An asked "float32" is kept, with
+    a warning. ``model`` is built on meta: its parameters give the bytes."""
+    if limit is None:
+        return True
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    extra = upcast_extra_bytes(model)
+    if weights + extra <= limit:
+        return True
+    sizes = (
+        f"the {dtype} weights take {weights / GIB:.2f} GiB and their fp32 matmul copies "
+        f"{extra / GIB:.2f} GiB more, past the {max(limit, 0) / GIB:.2f} GiB the weights "
+        "may take beside the cache"
+    )
+    if matmul_dtype == "auto":
+        logger.warning(
+            "this CPU has no native %s matmul, but its matmuls stay in %s (emulated: several "
+            "times slower): %s; free memory, lower the cache, or pass --cpu-matmul-dtype "
+            "float32 to convert them anyway",
+            dtype,
+            dtype,
+            sizes,
+        )
+        return False
+    logger.warning("--cpu-matmul-dtype float32 converts the matmul weights, but %s", sizes)
+    return True
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -16,12 +16,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from engine_checkpoints import ARCH, OPTIONS
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.cli import main
 from hybridkv.core.units import GIB
-from hybridkv.engine import startup
+from hybridkv.engine import EngineConfig, startup
+from hybridkv.layers.fp32_matmul import Fp32Linear
+from hybridkv.models import loader
 
 PROMPTS = ["Hello there", "What is the capital", "Once upon a time", "one two three four"]
 
@@ -271,3 +274,35 @@ def test_the_compiler_is_imported_only_by_an_engine_that_compiles(
     assert done.returncode == 0, done.stderr[-3000:]
     loaded = done.stdout.split("LOADED ", 1)[1].strip()
     assert loaded == (",".join(COMPILER_MODULES) if compiles else "")
+
+
+def test_the_weights_limit_leaves_room_for_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """weight_memory_limit (what "auto" fp32 matmul copies may grow the weights to): 90%
+    of the RAM available at start less a fixed cache, half of it when the cache is sized
+    from what the weights leave, no limit off the CPU."""
+    monkeypatch.setattr(startup, "available_memory_bytes", lambda device: (10 * GIB, 16 * GIB))
+    cpu = torch.device("cpu")
+    fixed = startup.weight_memory_limit(EngineConfig(model="m", cache_memory_gib=2), cpu)
+    assert fixed == int(0.9 * 10 * GIB) - 2 * GIB
+    default = startup.weight_memory_limit(EngineConfig(model="m"), cpu)  # 2 GiB fixed
+    assert default == fixed
+    sized = startup.weight_memory_limit(EngineConfig(model="m", gpu_memory_utilization=0.8), cpu)
+    assert sized == 5 * GIB
+    assert startup.weight_memory_limit(EngineConfig(model="m"), torch.device("meta")) is None
+
+
+def test_an_engine_short_of_memory_keeps_bf16_matmuls(
+    checkpoints: Any, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With too little RAM for fp32 matmul copies beside its cache, an engine on a CPU that
+    emulates bf16 matmuls (patched) keeps the bf16 weights, says so, and serves."""
+    _, path = checkpoints(ARCH)
+    monkeypatch.setattr(loader, "native_gemm", lambda dtype, device="cpu": False)
+    monkeypatch.setattr(startup, "available_memory_bytes", lambda device: (GIB // 1024, GIB))
+    with caplog.at_level(logging.WARNING, logger="hybridkv.models.loader"):
+        llm = LLM(str(path), dtype="bfloat16", cache_memory_gib=0.02, max_model_len=128)
+    assert "--cpu-matmul-dtype float32" in caplog.text
+    model = llm.engine.runner.model
+    assert not any(isinstance(m, Fp32Linear) for m in model.modules())
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,9 @@ from paged_runner import PagedRunner
 from safetensors.torch import load_file, save_file
 from tiny import EOS_ID, hf_logits, make_hf_model, save_checkpoint
 
-from hybridkv.layers.fp32_matmul import Fp32Embedding, Fp32Linear
+from hybridkv.layers.fp32_matmul import Fp32Embedding, Fp32Linear, upcast_extra_bytes
 from hybridkv.layers.moe import GroupedExperts
+from hybridkv.models import loader
 from hybridkv.models.loader import load_model
 from hybridkv.ops.cpu_gemm import native_gemm
 
@@ -262,3 +264,51 @@ def test_packed_load_gives_the_same_logits_in_bfloat16(
         assert torch.equal(run(packed), run(plain))
     else:
         torch.testing.assert_close(run(packed), run(plain), atol=0.05, rtol=0.02)
+
+
+def param_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_tied"])
+def test_the_upcast_estimate_is_what_the_fp32_copies_add(arch: str, tmp_path: Path) -> None:
+    """upcast_extra_bytes, read off the bf16 model (as the loader reads it off the model
+    built on meta, before the checkpoint): exactly the bytes ``matmul_dtype="float32"``
+    adds, with stacked experts (qwen3_next) and a tied pair's one table (qwen3_5)."""
+    hf = (
+        make_hf_model("qwen3_5_text", tie_word_embeddings=True)
+        if arch == "qwen3_5_tied"
+        else make_hf_model(arch)
+    )
+    path = save_checkpoint(hf, tmp_path)
+    bf16 = load_model(path, "bfloat16", matmul_dtype="model").model
+    fp32 = load_model(path, "bfloat16", matmul_dtype="float32").model
+    assert upcast_extra_bytes(bf16) == param_bytes(fp32) - param_bytes(bf16) > 0
+
+
+def test_auto_keeps_the_model_dtype_where_the_fp32_copies_would_not_fit(
+    tmp_path: Path, get_tiny, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On a CPU that emulates bf16 matmuls (patched: any CPU), "auto" holds fp32 copies
+    only while the weights with them stay within ``weight_memory_limit``; past it the model
+    keeps bf16 matmuls and a warning says why and how to force them. An asked "float32"
+    converts anyway, with a warning (regression: "auto" converted whatever the memory, so
+    a model that fits in bf16 but not in fp32 would be killed loading)."""
+    monkeypatch.setattr(loader, "native_gemm", lambda dtype, device="cpu": False)
+    hf, _ = get_tiny("qwen3_next")
+    path = save_checkpoint(hf, tmp_path)
+    bf16 = load_model(path, "bfloat16", matmul_dtype="model").model
+    needed = param_bytes(bf16) + upcast_extra_bytes(bf16)
+
+    def converted(matmul_dtype: str, limit: int | None) -> bool:
+        lm = load_model(path, "bfloat16", matmul_dtype=matmul_dtype, weight_memory_limit=limit)
+        return any(isinstance(m, Fp32Linear) for m in lm.model.modules())
+
+    with caplog.at_level(logging.WARNING, logger="hybridkv.models.loader"):
+        assert converted("auto", None) and converted("auto", needed)
+        assert not caplog.records
+        assert not converted("auto", needed - 1)
+        assert "--cpu-matmul-dtype float32" in caplog.text
+        caplog.clear()
+        assert converted("float32", needed - 1)
+        assert "may take beside the cache" in caplog.text

@@ -19,6 +19,7 @@ from hybridkv.engine.spec_decode.config import SpeculativeConfig
 from hybridkv.engine.spec_decode.draft_model import DraftModelProposer
 from hybridkv.engine.spec_decode.ngram import NgramDrafts, NgramProposer
 from hybridkv.engine.spec_decode.speculator import ROW_COST, Speculator
+from hybridkv.engine.startup import weight_memory_limit
 from hybridkv.models.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
@@ -56,6 +57,7 @@ class SpeculativeSetup:
             ssm_dtype=loader_cache_dtype(engine.mamba_ssm_cache_dtype),
             pack_weights=engine.pack_weights,
             matmul_dtype=engine.cpu_matmul_dtype,
+            weight_memory_limit=weight_memory_limit(engine, torch.device(engine.device)),
         )
         check_vocabulary(target, draft, config.model)
         return cls(config, with_draft(target.spec, draft.spec), target, draft)
