@@ -21,7 +21,8 @@ import statistics
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -117,6 +118,20 @@ def git_head() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "?"
     return head + ("+dirty" if dirty else "")
+
+
+@contextmanager
+def worktree_at(ref: str) -> Iterator[Path]:
+    """A detached git worktree of this checkout at ``ref``, removed on the way out: the
+    code an ``--against REF`` side of a benchmark runs (its package first on PYTHONPATH)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        worktree = Path(tmp) / "against"
+        git = ["git", "-C", str(ROOT)]
+        subprocess.run([*git, "worktree", "add", "-q", "--detach", str(worktree), ref], check=True)
+        try:
+            yield worktree
+        finally:
+            subprocess.run([*git, "worktree", "remove", "--force", str(worktree)], check=False)
 
 
 def machine_line() -> str:

@@ -22,13 +22,12 @@ Usage: ``python benchmarks/peak_memory.py [--workload w1] [--runs 5] [--against 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 PHASES = ("imported", "engine", "warm-up", "workload")
@@ -153,38 +152,27 @@ def print_table(runs: dict[str, list[dict[str, int]]]) -> None:
 
 
 def parent(args: argparse.Namespace) -> None:
-    from anchors_common import data_dir, git_head, machine_line
+    from anchors_common import data_dir, git_head, machine_line, worktree_at
     from vs_vllm_engine import small_model
 
     model = str(small_model(args.model, args.anchors_dir, args.data_dir))
     logs = data_dir(args.data_dir, "peak_memory")
     print(f"machine: {machine_line()}")
     print(f"{args.workload}, {args.runs} fresh process(es) a side; model {model}; logs in {logs}")
-    with tempfile.TemporaryDirectory() as tmp:
+    with contextlib.ExitStack() as stack:
         codes = {f"this ({git_head()})": REPO}
         if args.against:
-            worktree = Path(tmp) / "against"
-            git = ["git", "-C", str(REPO)]
-            subprocess.run(
-                [*git, "worktree", "add", "-q", "--detach", str(worktree), args.against], check=True
-            )
-            codes[args.against] = worktree
-        try:
-            runs: dict[str, list[dict[str, int]]] = {side: [] for side in codes}
-            for r in range(args.runs):
-                order = list(codes) if r % 2 == 0 else list(codes)[::-1]
-                for n, side in enumerate(order):
-                    log = logs / f"run{r}-{n}.log"
-                    runs[side].append(
-                        figures(run_child(codes[side], args, model, args.seed + r, log))
-                    )
-                    print(
-                        f"  run {r} {side}: peak {runs[side][-1]['peak after workload']:,} MiB",
-                        flush=True,
-                    )
-        finally:
-            if args.against:
-                subprocess.run([*git, "worktree", "remove", "--force", str(worktree)], check=False)
+            codes[args.against] = stack.enter_context(worktree_at(args.against))
+        runs: dict[str, list[dict[str, int]]] = {side: [] for side in codes}
+        for r in range(args.runs):
+            order = list(codes) if r % 2 == 0 else list(codes)[::-1]
+            for n, side in enumerate(order):
+                log = logs / f"run{r}-{n}.log"
+                runs[side].append(figures(run_child(codes[side], args, model, args.seed + r, log)))
+                print(
+                    f"  run {r} {side}: peak {runs[side][-1]['peak after workload']:,} MiB",
+                    flush=True,
+                )
     print_table(runs)
 
 

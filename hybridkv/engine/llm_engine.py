@@ -34,7 +34,7 @@ from hybridkv.engine.config import (
     loader_cache_dtype,
 )
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
-from hybridkv.engine.gc_heap import freeze_startup_heap
+from hybridkv.engine.gc_heap import collector_paused, freeze_startup_heap
 from hybridkv.engine.generation_defaults import default_sampling
 from hybridkv.engine.host_memory import keep_freed_memory
 from hybridkv.engine.inputs import InputProcessor, PromptType
@@ -98,6 +98,13 @@ class LLMEngine:
     """The serving engine of one model: scheduler, cache manager, runner and sampler."""
 
     def __init__(self, config: EngineConfig) -> None:
+        with collector_paused():  # start-up's objects all live on (gc_heap)
+            self._start(config)
+        freeze_startup_heap()  # no collection walks the start-up heap while serving
+
+    def _start(self, config: EngineConfig) -> None:
+        """Load the model, plan and allocate the cache, compile: everything but the
+        garbage collector's part of start-up (``__init__``)."""
         self.config = config
         self.device = torch.device(config.device)
         if self.device.type == "cpu":
@@ -196,7 +203,6 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
-        freeze_startup_heap()  # no collection walks the start-up heap while serving
 
     @classmethod
     def from_model(cls, model: str, **options: Any) -> LLMEngine:

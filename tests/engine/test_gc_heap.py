@@ -6,9 +6,11 @@ import gc
 import weakref
 from typing import Any
 
+import pytest
 from engine_checkpoints import ARCH, OPTIONS
 
 from hybridkv import LLM, SamplingParams
+from hybridkv.engine import llm_engine
 
 
 def test_startup_heap_is_frozen(checkpoints: Any) -> None:
@@ -37,3 +39,32 @@ def test_dropped_engine_is_freed_by_reference_counting(checkpoints: Any) -> None
         assert arena() is None
     finally:
         gc.enable()
+
+
+def test_no_collection_runs_during_start_up(
+    checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The collector is off while the engine starts (loading, compiling: each full
+    collection there walks everything start-up made so far) and back on once it serves,
+    its start-up garbage collected; a collector the caller turned off stays off, and one
+    on comes back on when start-up fails."""
+    _, path = checkpoints(ARCH)
+    seen: list[bool] = []
+    real_load = llm_engine.load_model
+
+    def load_model(*args: Any, **kwargs: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "load_model", load_model)
+    LLM(str(path), **OPTIONS)
+    assert seen == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        LLM(str(path), **OPTIONS)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(str(path), max_model_len=128, gpu_memory_utilization=1e-12)
+    assert gc.isenabled() and seen[-1] is False
