@@ -114,6 +114,7 @@ class LLMEngine:
                 "trust_remote_code is accepted for vLLM command lines, but no code from the "
                 "checkpoint ever runs here: its architecture must be one hybridkv implements"
             )
+        weight_limit = weight_memory_limit(config, self.device)  # the draft's included
         loaded = load_model(
             config.model,
             dtype=config.dtype,
@@ -123,7 +124,7 @@ class LLMEngine:
             tokenizer_dir=config.tokenizer,
             pack_weights=config.pack_weights,
             matmul_dtype=config.cpu_matmul_dtype,
-            weight_memory_limit=weight_memory_limit(config, self.device),
+            weight_memory_limit=weight_limit,
         )
         self.model_config = loaded.config
         self.spec = loaded.spec
@@ -133,7 +134,7 @@ class LLMEngine:
         self.dtype = loaded.dtype
         self.vocab_size = int(loaded.config.get("vocab_size") or 0)
         # speculative decoding: a draft model's layers get pages in the same cache
-        self.speculative = SpeculativeSetup.load(config, loaded)
+        self.speculative = SpeculativeSetup.load(config, loaded, weight_limit)
         self.generation_defaults = default_sampling(
             config.generation_config, Path(config.model), config.override_generation_config
         )

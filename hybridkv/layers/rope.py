@@ -40,10 +40,16 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rotary_dim = rotary_dim
         self.theta = theta
-        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+        # built on the CPU (the loader moves buffers with the model) whatever device a
+        # caller's context names: on meta these ops run torch's Python references, which
+        # import dynamo (seconds, for an engine that may never compile: hybridkv.ops.compiled)
+        cpu = torch.device("cpu")
+        exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=cpu) / rotary_dim
         self.register_buffer("inv_freq", 1.0 / (theta**exponent), persistent=False)
         half = rotary_dim // 2  # rotate-half's sign: -1 on the first half, +1 on the second
-        sign = torch.cat([torch.full((half,), -1.0), torch.ones(rotary_dim - half)])
+        sign = torch.cat(
+            [torch.full((half,), -1.0, device=cpu), torch.ones(rotary_dim - half, device=cpu)]
+        )
         self.register_buffer("rotate_sign", sign, persistent=False)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

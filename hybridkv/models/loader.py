@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -52,6 +53,17 @@ class LoadedModel:
     tokenizer: Tokenizer | None  # None when the directory has no tokenizer.json
     config: dict[str, Any]  # the text config (VLM wrappers flattened)
     dtype: str  # the model dtype chosen ("auto" resolved)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the model's parameters as loaded (fp32 matmul copies included)."""
+        return parameter_bytes(self.model)
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s parameters (each shared one once), from their shapes and dtypes:
+    the same on meta as loaded."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def resolve_dtype(dtype: str, device: str, raw_config: dict[str, Any]) -> str:
@@ -166,27 +178,32 @@ def parameters_on_meta() -> Iterator[None]:
     parameter already on meta is kept as is, so ties (``lm_head.weight = embed.weight``)
     stay ties. ``nn.init.normal_`` leaves a meta tensor alone: on meta it runs torch's
     Python reference, which imports dynamo (1.7 s on a slow machine, for an engine that may
-    never compile: hybridkv.ops.compiled), and fills nothing anyway. Not for use from two
-    threads at once.
+    never compile: hybridkv.ops.compiled), and fills nothing anyway. Both are process-wide
+    patches: builds in two threads take turns (a lock), or one could restore the other's
+    patch and leave it in place for good.
     """
-    register = nn.Module.register_parameter
-    normal = nn.init.normal_
+    with _META_BUILD:  # the originals are read inside: not another build's patches
+        register = nn.Module.register_parameter
+        normal = nn.init.normal_
 
-    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
-            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
+        def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+            if param is not None and not param.is_meta:
+                param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            register(module, name, param)
 
-    def normal_unless_meta(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
-        return tensor if tensor.is_meta else normal(tensor, *args, **kwargs)
+        def normal_unless_meta(tensor: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+            return tensor if tensor.is_meta else normal(tensor, *args, **kwargs)
 
-    nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
-    nn.init.normal_ = normal_unless_meta
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
-        nn.init.normal_ = normal
+        nn.Module.register_parameter = register_on_meta  # type: ignore[method-assign]
+        nn.init.normal_ = normal_unless_meta
+        try:
+            yield
+        finally:
+            nn.Module.register_parameter = register  # type: ignore[method-assign]
+            nn.init.normal_ = normal
+
+
+_META_BUILD = threading.RLock()  # parameters_on_meta's patches: one build at a time
 
 
 def load_model(
@@ -294,7 +311,7 @@ def _upcast_fits(model: nn.Module, matmul_dtype: str, dtype: str, limit: int | N
     a warning. ``model`` is built on meta: its parameters give the bytes."""
     if limit is None:
         return True
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights = parameter_bytes(model)
     extra = upcast_extra_bytes(model)
     if weights + extra <= limit:
         return True
@@ -306,8 +323,8 @@ def _upcast_fits(model: nn.Module, matmul_dtype: str, dtype: str, limit: int | N
     if matmul_dtype == "auto":
         logger.warning(
             "this CPU has no native %s matmul, but its matmuls stay in %s (emulated: several "
-            "times slower): %s; free memory, lower the cache, or pass --cpu-matmul-dtype "
-            "float32 to convert them anyway",
+            "times slower): %s; free memory, give a smaller --cache-memory-gib, or pass "
+            "--cpu-matmul-dtype float32 to convert them anyway",
             dtype,
             dtype,
             sizes,

@@ -37,6 +37,7 @@ per-call dispatch, which in a serving step costs more than many a graph
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -74,6 +75,7 @@ def compile_enabled() -> bool:
     return not (_ENFORCE_EAGER or _eager_here.get())
 
 
+@functools.cache
 def _failures() -> tuple[tuple[type[Exception], ...], tuple[type[Exception], ...]]:
     """(raised while compiling, raised for one call): the second for a combination of inputs
     past the recompile limit (or a graph break, which would be a bug in a fused form), other
@@ -150,7 +152,11 @@ class CompiledOp(Generic[P, R]):
         if direct is not None:  # a graph dynamo ran for these arguments before
             self.num_compiled_calls += 1
             return self.direct.call(direct, args)  # type: ignore[no-any-return]
-        compile_failures, call_failures = _failures()
+        try:
+            compile_failures, call_failures = _failures()
+        except ImportError as exc:  # a broken dynamo or inductor install
+            self._fail(exc)
+            return self.eager(*args, **kwargs)
         if self._compiled is None:
             try:
                 self._compiled = torch.compile(

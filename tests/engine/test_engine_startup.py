@@ -17,13 +17,14 @@ from typing import Any
 
 import pytest
 import torch
-from engine_checkpoints import ARCH, OPTIONS
+from engine_checkpoints import ARCH, ARCHITECTURES, OPTIONS
 
 from hybridkv import LLM, SamplingParams
 from hybridkv.cli import main
 from hybridkv.core.units import GIB
-from hybridkv.engine import EngineConfig, startup
-from hybridkv.layers.fp32_matmul import Fp32Linear
+from hybridkv.engine import EngineConfig, llm_engine, startup
+from hybridkv.engine.spec_decode import setup
+from hybridkv.layers.fp32_matmul import Fp32Linear, upcast_extra_bytes
 from hybridkv.models import loader
 
 PROMPTS = ["Hello there", "What is the capital", "Once upon a time", "one two three four"]
@@ -245,35 +246,46 @@ from hybridkv import LLM, SamplingParams
 import hybridkv.cli, hybridkv.server
 loaded = [m for m in {modules!r} if m in sys.modules]
 assert not loaded, f"imported with hybridkv: {{loaded}}"
-llm = LLM({path!r}, enforce_eager={eager!r}, max_model_len=128, cache_memory_gib=0.02)
-out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0))
-assert len(out[0].outputs[0].token_ids) == 4
-loaded = [m for m in {modules!r} if m in sys.modules]
-print("LOADED", ",".join(loaded))
+for path in {paths!r}:
+    llm = LLM(path, enforce_eager={eager!r}, max_model_len=128, cache_memory_gib=0.02)
+    out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0))
+    assert len(out[0].outputs[0].token_ids) == 4
+    loaded = [m for m in {modules!r} if m in sys.modules]
+    print("LOADED", path, ",".join(loaded))
 """
+GDN_ARCHITECTURES = ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")  # compiled decode step
 
 
 @pytest.mark.parametrize(
-    ("arch", "eager", "compiles"),
-    [("nemotron_h", False, False), (ARCH, True, False), (ARCH, False, True)],
+    ("archs", "eager", "compiles"),
+    [
+        (tuple(a for a in ARCHITECTURES if a not in GDN_ARCHITECTURES), False, False),
+        ((ARCH,), True, False),
+        ((ARCH,), False, True),
+    ],
     ids=["no-compiled-ops", "enforce-eager", "gdn-compiles"],
 )
 def test_the_compiler_is_imported_only_by_an_engine_that_compiles(
-    checkpoints: Any, arch: str, eager: bool, compiles: bool
+    checkpoints: Any, archs: tuple[str, ...], eager: bool, compiles: bool
 ) -> None:
     """Importing hybridkv (the engine, the CLI, the server) imports neither dynamo nor
-    inductor, and an engine imports them only to compile: a model without compiled ops
-    (a Mamba2 hybrid) or an ``enforce_eager`` engine serves without them (regression:
-    ``hybridkv.ops.compiled`` imported dynamo with the package, 1.7 s of every start-up on
-    a slow machine). A fresh interpreter: this one has imported them long ago."""
-    _, path = checkpoints(arch)
-    code = SERVE_WITHOUT_COMPILER.format(modules=COMPILER_MODULES, path=str(path), eager=eager)
+    inductor, and an engine imports them only to compile: every family without compiled
+    ops, each loaded and served in turn, or an ``enforce_eager`` engine serves without them
+    (regressions: ``hybridkv.ops.compiled`` imported dynamo with the package, 1.7 s of
+    every start-up on a slow machine; the loader's meta build and Zamba2's meta attention
+    ran torch's Python references of ``normal_``, ``arange``..., which import it). One
+    fresh interpreter a case: this one has imported them long ago."""
+    assert set(GDN_ARCHITECTURES) <= set(ARCHITECTURES)
+    paths = [str(checkpoints(arch)[1]) for arch in archs]
+    code = SERVE_WITHOUT_COMPILER.format(modules=COMPILER_MODULES, paths=paths, eager=eager)
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    loaded = done.stdout.split("LOADED ", 1)[1].strip()
-    assert loaded == (",".join(COMPILER_MODULES) if compiles else "")
+    lines = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("LOADED")]
+    assert [path for _, path, _ in lines] == paths
+    expected = ",".join(COMPILER_MODULES) if compiles else ""
+    assert all(loaded == expected for *_, loaded in lines), lines
 
 
 def test_the_weights_limit_leaves_room_for_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -306,3 +318,42 @@ def test_an_engine_short_of_memory_keeps_bf16_matmuls(
     assert not any(isinstance(m, Fp32Linear) for m in model.modules())
     out = llm.generate(["Hello there"], SamplingParams(max_tokens=4, temperature=0))
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_the_upcast_estimate_is_what_the_copies_add_in_every_family(
+    checkpoints: Any, arch: str
+) -> None:
+    """upcast_extra_bytes (what the loader weighs before holding fp32 matmul copies):
+    exactly the bytes ``matmul_dtype="float32"`` adds, for every family's layout (stacked
+    experts with biases, Jamba's ``keep_plain`` dt_proj, Zamba2's shared blocks)."""
+    _, path = checkpoints(arch)
+    bf16 = loader.load_model(path, "bfloat16", matmul_dtype="model")
+    fp32 = loader.load_model(path, "bfloat16", matmul_dtype="float32")
+    assert upcast_extra_bytes(bf16.model) == fp32.nbytes - bf16.nbytes > 0
+
+
+def test_a_draft_model_gets_what_the_target_left_of_the_weights_limit(
+    checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The weights limit is measured once, before the target loads; the draft model's fp32
+    copies must fit in what the target's weights left of it (not in a limit measured anew
+    after the target loaded, which would count the target's mapped pages as free and give
+    the two models up to 1.5 times the share)."""
+    _, target = checkpoints(ARCH)
+    _, draft = checkpoints("nemotron_h")
+    limits: list[int | None] = []
+    real_load = loader.load_model
+
+    def load_model(*args: Any, **kwargs: Any) -> Any:
+        limits.append(kwargs.get("weight_memory_limit"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(llm_engine, "load_model", load_model)
+    monkeypatch.setattr(setup, "load_model", load_model)
+    monkeypatch.setattr(startup, "available_memory_bytes", lambda device: (4 * GIB, 8 * GIB))
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
+    llm = LLM(str(target), speculative_config=spec, max_model_len=128, cache_memory_gib=0.02)
+    limit = int(0.9 * 4 * GIB) - int(0.02 * GIB)
+    target_bytes = llm.engine.speculative.target.nbytes
+    assert limits == [limit, limit - target_bytes]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -266,24 +268,16 @@ def test_packed_load_gives_the_same_logits_in_bfloat16(
         torch.testing.assert_close(run(packed), run(plain), atol=0.05, rtol=0.02)
 
 
-def param_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_tied"])
-def test_the_upcast_estimate_is_what_the_fp32_copies_add(arch: str, tmp_path: Path) -> None:
+def test_the_upcast_estimate_counts_a_tied_table_once(tmp_path: Path) -> None:
     """upcast_extra_bytes, read off the bf16 model (as the loader reads it off the model
     built on meta, before the checkpoint): exactly the bytes ``matmul_dtype="float32"``
-    adds, with stacked experts (qwen3_next) and a tied pair's one table (qwen3_5)."""
-    hf = (
-        make_hf_model("qwen3_5_text", tie_word_embeddings=True)
-        if arch == "qwen3_5_tied"
-        else make_hf_model(arch)
-    )
+    adds when the LM head and the embedding share their table (one fp32 copy). Every
+    engine family's layout: tests/engine/test_engine_startup.py."""
+    hf = make_hf_model("qwen3_5_text", tie_word_embeddings=True)
     path = save_checkpoint(hf, tmp_path)
-    bf16 = load_model(path, "bfloat16", matmul_dtype="model").model
-    fp32 = load_model(path, "bfloat16", matmul_dtype="float32").model
-    assert upcast_extra_bytes(bf16) == param_bytes(fp32) - param_bytes(bf16) > 0
+    bf16 = load_model(path, "bfloat16", matmul_dtype="model")
+    fp32 = load_model(path, "bfloat16", matmul_dtype="float32")
+    assert upcast_extra_bytes(bf16.model) == fp32.nbytes - bf16.nbytes > 0
 
 
 def test_auto_keeps_the_model_dtype_where_the_fp32_copies_would_not_fit(
@@ -297,8 +291,8 @@ def test_auto_keeps_the_model_dtype_where_the_fp32_copies_would_not_fit(
     monkeypatch.setattr(loader, "native_gemm", lambda dtype, device="cpu": False)
     hf, _ = get_tiny("qwen3_next")
     path = save_checkpoint(hf, tmp_path)
-    bf16 = load_model(path, "bfloat16", matmul_dtype="model").model
-    needed = param_bytes(bf16) + upcast_extra_bytes(bf16)
+    bf16 = load_model(path, "bfloat16", matmul_dtype="model")
+    needed = bf16.nbytes + upcast_extra_bytes(bf16.model)
 
     def converted(matmul_dtype: str, limit: int | None) -> bool:
         lm = load_model(path, "bfloat16", matmul_dtype=matmul_dtype, weight_memory_limit=limit)
@@ -312,3 +306,27 @@ def test_auto_keeps_the_model_dtype_where_the_fp32_copies_would_not_fit(
         caplog.clear()
         assert converted("float32", needed - 1)
         assert "may take beside the cache" in caplog.text
+
+
+def test_builds_on_meta_in_two_threads_leave_torch_as_it_was() -> None:
+    """parameters_on_meta patches two process-wide functions: builds in two threads at
+    once take turns, so neither restores the other's patch as the original (which would
+    leave every later nn.Linear on meta), and both get meta parameters."""
+    register, normal = torch.nn.Module.register_parameter, torch.nn.init.normal_
+    built: list[torch.nn.Module] = []
+    start = threading.Barrier(2)
+
+    def build() -> None:
+        start.wait()
+        with loader.parameters_on_meta():
+            time.sleep(0.05)  # the other thread enters meanwhile, without the lock
+            built.append(torch.nn.Embedding(10, 4))
+
+    threads = [threading.Thread(target=build) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert len(built) == 2 and all(m.weight.is_meta for m in built)
+    assert torch.nn.Module.register_parameter is register and torch.nn.init.normal_ is normal
+    assert not torch.nn.Linear(2, 2).weight.is_meta

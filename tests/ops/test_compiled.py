@@ -97,6 +97,27 @@ def test_a_failed_compile_warns_once_and_runs_eagerly_from_then_on(
     assert len(warnings) == 1 and "scaled_sum" in warnings[0] and "eagerly" in warnings[0]
 
 
+def test_a_compiler_that_cannot_be_imported_means_eager_ops(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Dynamo and inductor are imported on the first compile (hybridkv.ops.compiled
+    ._failures), not with hybridkv: an install where that import fails gets the eager
+    form, with one warning, as for a compile that fails."""
+
+    def broken() -> None:
+        raise ImportError("cannot import name 'config' from 'torch._inductor'")
+
+    monkeypatch.setattr(compiled_module, "_failures", broken)
+    op = CompiledOp(scaled_sum, scaled_sum_eager)
+    x, s = torch.randn(3, 4), torch.randn(4)
+    with caplog.at_level(logging.WARNING, logger=compiled_module.__name__):
+        assert torch.equal(op(x, s), scaled_sum_eager(x, s))
+        assert torch.equal(op(x, s), scaled_sum_eager(x, s))
+    assert not op.will_compile() and op.num_compiled_calls == 0
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "cannot import" in warnings[0]
+
+
 def test_an_error_that_is_not_a_compile_failure_propagates(
     compile_calls: list[str],
 ) -> None:

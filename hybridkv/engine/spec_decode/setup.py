@@ -19,7 +19,6 @@ from hybridkv.engine.spec_decode.config import SpeculativeConfig
 from hybridkv.engine.spec_decode.draft_model import DraftModelProposer
 from hybridkv.engine.spec_decode.ngram import NgramDrafts, NgramProposer
 from hybridkv.engine.spec_decode.speculator import ROW_COST, Speculator
-from hybridkv.engine.startup import weight_memory_limit
 from hybridkv.models.loader import LoadedModel, load_model
 
 if TYPE_CHECKING:
@@ -39,8 +38,14 @@ class SpeculativeSetup:
     draft: LoadedModel | None = None
 
     @classmethod
-    def load(cls, engine: EngineConfig, target: LoadedModel) -> SpeculativeSetup:
+    def load(
+        cls, engine: EngineConfig, target: LoadedModel, weight_limit: int | None = None
+    ) -> SpeculativeSetup:
         """Load the draft model, if any, and check it against the target.
+
+        ``weight_limit``: the bytes all the weights may take (the target's load was given
+        it, :func:`hybridkv.engine.startup.weight_memory_limit`); the draft's fp32 matmul
+        copies must fit in what the target's weights left of it.
 
         Raises:
             ValueError: the draft model's vocabulary is not the target's.
@@ -57,7 +62,7 @@ class SpeculativeSetup:
             ssm_dtype=loader_cache_dtype(engine.mamba_ssm_cache_dtype),
             pack_weights=engine.pack_weights,
             matmul_dtype=engine.cpu_matmul_dtype,
-            weight_memory_limit=weight_memory_limit(engine, torch.device(engine.device)),
+            weight_memory_limit=None if weight_limit is None else weight_limit - target.nbytes,
         )
         check_vocabulary(target, draft, config.model)
         return cls(config, with_draft(target.spec, draft.spec), target, draft)
