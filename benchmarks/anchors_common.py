@@ -134,6 +134,18 @@ def worktree_at(ref: str) -> Iterator[Path]:
             subprocess.run([*git, "worktree", "remove", "--force", str(worktree)], check=False)
 
 
+@contextmanager
+def checkouts(against: str | None) -> Iterator[dict[str, Path]]:
+    """The code each side of an ``--against`` benchmark runs: this checkout, labelled with
+    its commit, and with ``against`` a worktree at that ref (:func:`worktree_at`)."""
+    codes = {f"this ({git_head()})": ROOT}
+    if against is None:
+        yield codes
+        return
+    with worktree_at(against) as worktree:
+        yield {**codes, against: worktree}
+
+
 def machine_line() -> str:
     """Date, CPU, core count and load: CPU timings mean little without them."""
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())

@@ -22,7 +22,6 @@ Usage: ``python benchmarks/peak_memory.py [--workload w1] [--runs 5] [--against 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import random
@@ -32,7 +31,6 @@ from pathlib import Path
 
 PHASES = ("imported", "engine", "warm-up", "workload")
 AT_END = ("heap", "arena", "anonymous")
-REPO = Path(__file__).resolve().parents[1]
 
 
 # ----------------------------------------------------------------------------- child side
@@ -152,17 +150,14 @@ def print_table(runs: dict[str, list[dict[str, int]]]) -> None:
 
 
 def parent(args: argparse.Namespace) -> None:
-    from anchors_common import data_dir, git_head, machine_line, worktree_at
+    from anchors_common import checkouts, data_dir, machine_line
     from vs_vllm_engine import small_model
 
     model = str(small_model(args.model, args.anchors_dir, args.data_dir))
     logs = data_dir(args.data_dir, "peak_memory")
     print(f"machine: {machine_line()}")
     print(f"{args.workload}, {args.runs} fresh process(es) a side; model {model}; logs in {logs}")
-    with contextlib.ExitStack() as stack:
-        codes = {f"this ({git_head()})": REPO}
-        if args.against:
-            codes[args.against] = stack.enter_context(worktree_at(args.against))
+    with checkouts(args.against) as codes:
         runs: dict[str, list[dict[str, int]]] = {side: [] for side in codes}
         for r in range(args.runs):
             order = list(codes) if r % 2 == 0 else list(codes)[::-1]

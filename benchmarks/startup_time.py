@@ -26,7 +26,6 @@ Usage: ``python benchmarks/startup_time.py [--runs 5] [--against REF] [--model D
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
@@ -36,7 +35,6 @@ from pathlib import Path
 
 START = time.perf_counter()  # the child's clock starts at the script's first line
 
-REPO = Path(__file__).resolve().parents[1]
 SETTINGS = ("compiled", "eager")
 FIGURES = ("import", "engine", "first", "total")
 
@@ -110,7 +108,7 @@ def print_table(runs: dict[tuple[str, str], list[dict]], sides: list[str]) -> No
 
 
 def parent(args: argparse.Namespace) -> None:
-    from anchors_common import data_dir, git_head, machine_line, worktree_at
+    from anchors_common import checkouts, data_dir, machine_line
     from vs_vllm_engine import small_model
 
     model = str(small_model(args.model, args.anchors_dir, args.data_dir))
@@ -118,10 +116,7 @@ def parent(args: argparse.Namespace) -> None:
     print(f"machine: {machine_line()}")
     print(f"{args.runs} counted fresh process(es) per setting and side; model {model}")
     print(f"logs in {logs}")
-    with contextlib.ExitStack() as stack:
-        codes = {f"this ({git_head()})": REPO}
-        if args.against:
-            codes[args.against] = stack.enter_context(worktree_at(args.against))
+    with checkouts(args.against) as codes:
         sides = list(codes)
         runs: dict[tuple[str, str], list[dict]] = {(s, c): [] for s in SETTINGS for c in sides}
         for r in range(args.runs + 1):  # run 0: warm-up (inductor's cache, the page cache)
