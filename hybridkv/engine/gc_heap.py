@@ -44,8 +44,9 @@ def collector_paused() -> Iterator[None]:
     walks all that exist by then: with the imports of dynamo and inductor moved from
     hybridkv's import to the first compile (hybridkv.ops.compiled), which runs after the
     model is loaded, the small Qwen3-Next's engine took 5.4-7.8 s to build instead of
-    3.7-4.4 s on the 2-core AVX2 EPYC of 2026-11-26; with collections paused, 4.5-5.2 s
-    (/tmp script, 3 interleaved runs; benchmarks/startup_time.py for the whole start-up).
+    3.7-4.4 s on the 2-core AVX2 EPYC of 2026-11-26 (benchmarks/startup_time.py); with
+    collections paused around the compile alone 4.5-5.2 s, and around the whole start-up
+    (as here) 5.1-5.4 s, of which the final collection 0.35 s (/tmp scripts, 3 runs each).
     What start-up leaves unreachable (dynamo's trace is full of reference cycles) waits
     for that one collection at its end. A collector the caller had disabled stays so."""
     enabled = gc.isenabled()
