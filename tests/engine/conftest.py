@@ -19,6 +19,17 @@ def _two_threads() -> None:
     torch.set_num_threads(2)
 
 
+@pytest.fixture
+def just_in_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engines started in the test compile the GDN decode step just in time (the form
+    whose compiles, graphs and calls these tests count) instead of loading its package
+    compiled ahead of time (hybridkv.ops.ahead_of_time: tests/ops/test_ahead_of_time.py
+    and the engine tests that name it)."""
+    from hybridkv.ops import ahead_of_time
+
+    monkeypatch.setenv(ahead_of_time.CACHE_ENV, "off")
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """arch -> (transformers model, checkpoint dir), built once per session on first use."""

@@ -113,7 +113,7 @@ def test_packed_weights_keep_every_answer(
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
 def test_enforce_eager_keeps_every_answer(
-    arch: str, checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+    arch: str, checkpoints: Any, monkeypatch: pytest.MonkeyPatch, just_in_time: None
 ) -> None:
     """``enforce_eager`` (the GDN mixer's decode step then runs eagerly instead of
     compiled, hybridkv.ops.compiled): the multi-turn scenario with the cache on gives the
@@ -144,7 +144,9 @@ def test_enforce_eager_keeps_every_answer(
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
-def test_serving_compiles_nothing_after_start_up(arch: str, checkpoints: Any) -> None:
+def test_serving_compiles_nothing_after_start_up(
+    arch: str, checkpoints: Any, just_in_time: None
+) -> None:
     """The engine compiles its compiled ops when it starts (ModelRunner.warm_up_compiled):
     the multi-turn scenario (batches of one and more, prefills beside decodes) then runs
     the compiled graph and compiles no other, so no request waits for a compile."""
@@ -222,7 +224,7 @@ def assert_transformers_greedy_in_bf16(hf16: Any, prompt_ids: list[int], reply: 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_text", "qwen3_next"])
 def test_parallel_samples_decode_each_on_its_own_state(
-    arch: str, checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+    arch: str, checkpoints: Any, monkeypatch: pytest.MonkeyPatch, just_in_time: None
 ) -> None:
     """n = 3 greedy samples of one prompt decode together in the compiled GDN step, which
     updates each page in place and so needs every row's state on a page of its own (a

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shlex
 import shutil
 import subprocess
@@ -26,6 +27,7 @@ from hybridkv.engine import EngineConfig, llm_engine, startup
 from hybridkv.engine.spec_decode import setup
 from hybridkv.layers.fp32_matmul import Fp32Linear, upcast_extra_bytes
 from hybridkv.models import loader
+from hybridkv.ops import ahead_of_time
 
 PROMPTS = ["Hello there", "What is the capital", "Once upon a time", "one two three four"]
 
@@ -252,6 +254,7 @@ for path in {paths!r}:
     assert len(out[0].outputs[0].token_ids) == 4
     loaded = [m for m in {modules!r} if m in sys.modules]
     print("LOADED", path, ",".join(loaded))
+    print("TOKENS", path, list(out[0].outputs[0].token_ids))
 """
 GDN_ARCHITECTURES = ("qwen3_5_moe_text", "qwen3_5_text", "qwen3_next")  # compiled decode step
 
@@ -277,15 +280,52 @@ def test_the_compiler_is_imported_only_by_an_engine_that_compiles(
     fresh interpreter a case: this one has imported them long ago."""
     assert set(GDN_ARCHITECTURES) <= set(ARCHITECTURES)
     paths = [str(checkpoints(arch)[1]) for arch in archs]
+    lines = serve_in_a_fresh_interpreter(paths, eager, aot_cache="off")  # compiles just in time
+    expected = ",".join(COMPILER_MODULES) if compiles else ""
+    assert all(loaded == expected for loaded, _ in lines.values()), lines
+
+
+def serve_in_a_fresh_interpreter(
+    paths: list[str], eager: bool, aot_cache: str
+) -> dict[str, tuple[str, str]]:
+    """Each checkpoint loaded and served in turn in a new Python (SERVE_WITHOUT_COMPILER),
+    packages compiled ahead of time in ``aot_cache`` ("off": none): path -> (the compiler
+    modules imported by then, the reply's tokens)."""
     code = SERVE_WITHOUT_COMPILER.format(modules=COMPILER_MODULES, paths=paths, eager=eager)
+    env = {**os.environ, ahead_of_time.CACHE_ENV: aot_cache}
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = [line.split(" ", 2) for line in done.stdout.splitlines() if line.startswith("LOADED")]
-    assert [path for _, path, _ in lines] == paths
-    expected = ",".join(COMPILER_MODULES) if compiles else ""
-    assert all(loaded == expected for *_, loaded in lines), lines
+    found: dict[str, dict[str, str]] = {"LOADED": {}, "TOKENS": {}}
+    for line in done.stdout.splitlines():
+        kind, path, rest = [*line.split(" ", 2), "", ""][:3]
+        if kind in found:
+            found[kind][path] = rest
+    assert list(found["LOADED"]) == paths and list(found["TOKENS"]) == paths
+    return {path: (found["LOADED"][path], found["TOKENS"][path]) for path in paths}
+
+
+def test_a_second_start_loads_the_compiled_step_without_the_compiler(
+    checkpoints: Any, tmp_path: Path
+) -> None:
+    """The GDN decode step compiled ahead of time (hybridkv.ops.ahead_of_time): the first
+    engine on a machine builds its package (importing the compiler to do it); the next
+    one, in a new process, loads the package and serves without importing dynamo or
+    inductor, the same reply."""
+    path = str(checkpoints(ARCH)[1])
+    cache = tmp_path / "aot"
+    first = serve_in_a_fresh_interpreter([path], eager=False, aot_cache=str(cache))
+    assert first[path][0] == ",".join(COMPILER_MODULES)
+    assert len(list(cache.glob("gdn-mixer-decode-*.pt2"))) == 1
+    assert not list(cache.glob(".*partial*"))
+    second = serve_in_a_fresh_interpreter([path], eager=False, aot_cache=str(cache))
+    assert second[path] == ("", first[path][1])
 
 
 def test_the_weights_limit_leaves_room_for_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -172,7 +172,9 @@ def test_draft_model_of_another_architecture(copying_checkpoints: Any) -> None:
     assert_all_released(on)
 
 
-def test_a_draft_model_compiles_when_the_engine_starts(copying_checkpoints: Any) -> None:
+def test_a_draft_model_compiles_when_the_engine_starts(
+    copying_checkpoints: Any, just_in_time: None
+) -> None:
     """A GDN draft beside a target without GDN layers: the draft's compiled decode step
     (hybridkv.ops.compiled) compiles for its pages when the engine starts (without the
     draft's warm-up nothing compiles there), and speculating compiles nothing more (how many

@@ -37,20 +37,27 @@ have (parallel samples copy their state at admission).
 from __future__ import annotations
 
 import ctypes
+import logging
+import sys
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from hybridkv.ops import ahead_of_time
+from hybridkv.ops.ahead_of_time import AheadOfTimeStep
 from hybridkv.ops.causal_conv1d.paged import conv_decode
 from hybridkv.ops.compiled import CompiledOp
+from hybridkv.ops.gated_delta_rule import naive, paged
 from hybridkv.ops.gated_delta_rule.naive import l2norm
 from hybridkv.ops.gated_delta_rule.paged import _per_v_head, _prepare_rows, decode_in_pages
 from hybridkv.ops.gated_norm import gated_rms_norm
 from hybridkv.ops.paged_state import DecodeRows
 from hybridkv.ops.row_copy import index_copy_rows
 from hybridkv.ops.tensor_memo import TensorMemo
+
+logger = logging.getLogger(__name__)
 
 # rows of the warm-up's batch: a size no model dimension has (dynamo ties sizes that are
 # equal when it traces)
@@ -255,6 +262,107 @@ def _unbacked_batch(*tensors: Tensor) -> None:
             torch._dynamo.decorators.mark_unbacked(t, 0)
 
 
+class _ExportedStep(torch.nn.Module):
+    """:func:`_mixer_decode_fused` over flat tensors, as :func:`torch.export.export` takes
+    a function (the package's inputs, in :func:`_flat_inputs` order)."""
+
+    def forward(
+        self,
+        x: Tensor,
+        z: Tensor,
+        b: Tensor,
+        a: Tensor,
+        pages: Tensor,
+        fresh: Tensor,
+        conv: Tensor,
+        ssm: Tensor,
+        ssm_source: Tensor,
+        conv_weight: Tensor,
+        a_log: Tensor,
+        dt_bias: Tensor,
+        norm: Tensor,
+        eps: Tensor,
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        views = StepViews(conv, ssm, ssm_source)
+        params = StepParams(conv_weight, a_log, dt_bias, norm, eps)
+        return _mixer_decode_fused(x, z, b, a, pages, fresh, views, params)
+
+
+# what the step's code is made of (a change to one is a new package)
+_SOURCES = (sys.modules[__name__], naive, paged)
+# the package's inputs with a dynamic first size: the decodes' six, the views' three
+_DYNAMIC_FIRST = (True,) * 9 + (False,) * 5
+
+
+class _LoadedStep(NamedTuple):
+    """A package of the step and the dtypes of the per-step inputs it was built for."""
+
+    step: AheadOfTimeStep
+    dtypes: tuple[torch.dtype, ...]  # x, z, b, a, pages, fresh
+
+
+# per (conv write alias, SSM view, SSM read alias) and thread count: the step loaded ahead
+# of time at warm-up, or None (not warmed up, or no package: the just-in-time form)
+_AHEAD: TensorMemo[_LoadedStep | None] = TensorMemo()
+
+
+def _flat_inputs(
+    inputs: list[Tensor], pages: Tensor, fresh: Tensor, views: StepViews, params: StepParams
+) -> tuple[Tensor, ...]:
+    return (*inputs, pages, fresh, *views, *params)
+
+
+def _load_ahead_of_time(flat: tuple[Tensor, ...], views: StepViews) -> None:
+    """Load (or build, the first time on this machine) the package of the step over these
+    views and remember it for them (:mod:`hybridkv.ops.ahead_of_time`)."""
+    key = ahead_of_time.package_key("gdn-mixer-decode", _SOURCES, flat, _DYNAMIC_FIRST)
+
+    def export() -> torch.export.ExportedProgram:
+        batch, num_pages = torch.export.Dim("batch", min=1), torch.export.Dim("pages", min=1)
+        shapes = ({0: batch},) * 6 + ({0: num_pages},) * 3 + (None,) * 5
+        return torch.export.export(_ExportedStep(), flat, dynamic_shapes=shapes)
+
+    step = ahead_of_time.load_or_build(key, export)
+    loaded = None if step is None else _LoadedStep(step, tuple(t.dtype for t in flat[:6]))
+    _AHEAD.remember(tuple(views), loaded, torch.get_num_threads())
+
+
+def _run_ahead_of_time(
+    flat: tuple[Tensor, ...], views: StepViews
+) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
+    """The step's outputs from its package, or None where none serves these views and
+    inputs (the caller compiles just in time)."""
+    loaded = _AHEAD.get(tuple(views), lambda: None, torch.get_num_threads())
+    if loaded is None or tuple(t.dtype for t in flat[:6]) != loaded.dtypes:
+        return None
+    try:
+        out = loaded.step(*flat)
+    except RuntimeError as exc:  # never seen; the just-in-time form from then on
+        logger.warning("the ahead-of-time GDN decode step failed, compiling it: %s", exc)
+        _AHEAD.remember(tuple(views), None, torch.get_num_threads())
+        return None
+    return out[0], out[1], out[2], out[3]
+
+
+def compiled_ahead_of_time(conv_pages: Tensor, ssm_pages: Tensor) -> bool:
+    """Whether the engine's decodes (inference mode) over these page views run the step
+    loaded ahead of time (tests)."""
+    if not _compiles(conv_pages, ssm_pages):
+        return False
+    with torch.inference_mode():  # the aliases are per mode
+        views = (_reading_alias(conv_pages, "write"), ssm_pages, _reading_alias(ssm_pages))
+    return _AHEAD.get(views, lambda: None, torch.get_num_threads()) is not None
+
+
+def _step_params(weights: MixerWeights) -> StepParams:
+    """The weights as the step takes them, the epsilon a 0-d tensor made once per value."""
+    eps = _EPSILONS.get(weights.norm_eps)
+    if eps is None:  # a plain tensor, whatever the mode of the step that makes it
+        with torch.inference_mode(False):
+            eps = _EPSILONS[weights.norm_eps] = torch.tensor(weights.norm_eps)
+    return StepParams(weights.conv, weights.a_log, weights.dt_bias, weights.norm, eps)
+
+
 def gated_deltanet_decode(
     qkv: Tensor,
     z: Tensor,
@@ -277,16 +385,16 @@ def gated_deltanet_decode(
     # picked even when every row is a decode: the graph is compiled for rows of standard
     # strides, which a projection's split (or contiguous() of one row) does not give
     inputs = [t.index_select(0, rows) for t in (qkv, z, b, a)]
-    eps = _EPSILONS.get(weights.norm_eps)
-    if eps is None:  # a plain tensor, whatever the mode of the step that makes it
-        with torch.inference_mode(False):
-            eps = _EPSILONS[weights.norm_eps] = torch.tensor(weights.norm_eps)
-    params = StepParams(weights.conv, weights.a_log, weights.dt_bias, weights.norm, eps)
+    params = _step_params(weights)
     if not _compiles(conv_pages, ssm_pages):
         eager_views = StepViews(conv_pages, ssm_pages, ssm_pages)
         out, *_ = _mixer_decode.eager(*inputs, pages, fresh, eager_views, params)
         return out
     views = StepViews(_reading_alias(conv_pages, "write"), ssm_pages, _reading_alias(ssm_pages))
+    if _AHEAD:  # a package was loaded for some views (cheaper to ask than to look them up)
+        ahead = _run_ahead_of_time(_flat_inputs(inputs, pages, fresh, views, params), views)
+        if ahead is not None:
+            return ahead[0]
     _static_sizes(*views)
     _unbacked_batch(*inputs, pages, fresh)
     out, *_ = _mixer_decode(*inputs, pages, fresh, views, params)
@@ -312,6 +420,14 @@ def warm_up_mixer_decode(conv_pages: Tensor, ssm_pages: Tensor, weights: MixerWe
         z = torch.zeros(num_rows, heads, v_dim, dtype=dtype, device=device)
         b, a = (torch.zeros(num_rows, heads, dtype=dtype, device=device) for _ in range(2))
         decodes = DecodeRows(rows=rows, pages=pages, fresh=None)
+        if ahead_of_time.available():
+            views = StepViews(
+                _reading_alias(conv_pages, "write"), ssm_pages, _reading_alias(ssm_pages)
+            )
+            inputs = [t.index_select(0, rows) for t in (qkv, z, b, a)]
+            fresh = torch.zeros(pages.shape, dtype=torch.bool, device=device)
+            flat = _flat_inputs(inputs, pages, fresh, views, _step_params(weights))
+            _load_ahead_of_time(flat, views)
         gated_deltanet_decode(qkv, z, b, a, decodes, conv_pages, ssm_pages, weights)
         index_copy_rows(conv_pages, pages, saved[0])
         index_copy_rows(ssm_pages, pages, saved[1])

@@ -1,0 +1,185 @@
+"""The GDN decode step compiled ahead of time (hybridkv.ops.ahead_of_time): built once per
+layout into a package that later warm-ups load, equal to the eager step up to rounding, a
+row's result independent of what shares its step, and the just-in-time form wherever no
+package can be built or loaded."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from test_gdn_mixer_decode import decode, group_pages, page_bytes, projections, weights
+from torch import Tensor
+
+from hybridkv.ops import ahead_of_time
+from hybridkv.ops.compiled import running_eagerly
+from hybridkv.ops.gated_delta_rule import mixer_decode as fused
+
+
+@pytest.fixture(scope="module")
+def package_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for the module: each layout is built once (~20-40 s), then loaded."""
+    return tmp_path_factory.mktemp("aot")
+
+
+@pytest.fixture
+def ahead(package_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(ahead_of_time.CACHE_ENV, str(package_dir))
+    return package_dir
+
+
+def warmed(num_pages: int, dtype: torch.dtype, seed: int = 3) -> tuple[Tensor, Tensor, Tensor]:
+    """group_pages whose views the step was warmed up on (their package loaded)."""
+    arena, conv, ssm = group_pages(num_pages, dtype, seed)
+    fused.warm_up_mixer_decode(conv, ssm, weights(dtype))
+    assert fused.compiled_ahead_of_time(conv, ssm)
+    return arena, conv, ssm
+
+
+def package_calls() -> int:
+    return sum(step.num_calls for step in ahead_of_time.loaded_steps())
+
+
+def test_warm_up_builds_one_package_then_loads_it_and_puts_the_pages_back(ahead: Path) -> None:
+    """The first warm-up of a layout builds its package, later ones (other arenas, page
+    counts) load it; each puts its pages' bytes back (NaN poison included), and decodes
+    over warmed views run the package, never the just-in-time graph."""
+    dtype = torch.bfloat16
+    jit_calls = fused._mixer_decode.num_compiled_calls
+    for num_pages in (20, 33):
+        arena, conv, ssm = group_pages(num_pages, dtype)
+        arena.view(dtype).fill_(float("nan"))
+        before = arena.clone()
+        fused.warm_up_mixer_decode(conv, ssm, weights(dtype))
+        assert torch.equal(arena, before)
+        assert fused.compiled_ahead_of_time(conv, ssm)
+    assert len(list(ahead.glob("gdn-mixer-decode-*.pt2"))) == 1
+    assert not list(ahead.glob(".*"))  # no partial package left behind
+    _, conv, ssm = warmed(12, dtype)
+    calls = package_calls()
+    decode(projections(6, dtype), [0, 2, 5], [3, 1, 7], [False, True, False], conv, ssm,
+           weights(dtype))  # fmt: skip
+    assert package_calls() == calls + 1
+    assert fused._mixer_decode.num_compiled_calls == jit_calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_the_packaged_step_equals_the_eager_one(ahead: Path, dtype: torch.dtype) -> None:
+    """The package against the eager step, the decodes picked out of a step with other
+    rows: outputs and written states equal up to rounding, the conv states exactly, no NaN
+    from a fresh row's garbage, and not a byte changed outside the decodes' own states."""
+    pages, fresh = [7, 2, 11, 0, 5, 9], [False, True, False, False, True, False]
+    rows = [1, 2, 4, 5, 8, 9]  # of a 10-row step
+    w, inputs = weights(dtype), projections(10, dtype)
+    arena, conv, ssm = warmed(12, dtype)
+    calls = package_calls()
+    out = decode(inputs, rows, pages, fresh, conv, ssm, w)
+    assert package_calls() == calls + 1
+    _, want_conv, want_ssm = group_pages(12, dtype)
+    with running_eagerly():
+        want = decode(inputs, rows, pages, fresh, want_conv, want_ssm, w)
+    assert not out.isnan().any() and not ssm[pages].isnan().any()
+    tol = {"rtol": 1e-5, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 5e-2, "atol": 5e-2}
+    torch.testing.assert_close(out.float(), want.float(), **tol)
+    torch.testing.assert_close(ssm[pages].float(), want_ssm[pages].float(), **tol)
+    assert torch.equal(conv[pages], want_conv[pages])
+    before, conv_view, ssm_view = group_pages(12, dtype)
+    touched = page_bytes(before, conv_view, pages) | page_bytes(before, ssm_view, pages)
+    assert torch.equal(arena[~touched], before[~touched])
+
+
+def test_a_packaged_decode_does_not_depend_on_what_shares_its_step(ahead: Path) -> None:
+    """Caching on and off put a request's decodes in different steps: each decode's output
+    and states are the same bits alone, in a decode-only step and among a mixed step's
+    rows; alone it writes not a byte of the arena but its own states."""
+    dtype = torch.bfloat16
+    pages, rows = [3, 8, 1, 6], [0, 3, 4, 7]  # the decodes' rows in a 9-row mixed step
+    w, step = weights(dtype), projections(9, dtype)
+    mixed_arena, conv, ssm = warmed(10, dtype)
+    mixed = decode(step, rows, pages, None, conv, ssm, w)
+    only_arena, conv, ssm = warmed(10, dtype)
+    only = decode(tuple(t[rows] for t in step), [0, 1, 2, 3], pages, None, conv, ssm, w)
+    assert torch.equal(mixed, only) and torch.equal(mixed_arena, only_arena)
+    for i, (row, page) in enumerate(zip(rows, pages, strict=True)):
+        alone_arena, conv, ssm = warmed(10, dtype)
+        alone = decode(tuple(t[row : row + 1] for t in step), [0], [page], None, conv, ssm, w)
+        assert torch.equal(alone[0], mixed[i])
+        mine = page_bytes(alone_arena, conv, [page]) | page_bytes(alone_arena, ssm, [page])
+        assert torch.equal(alone_arena[mine], mixed_arena[mine])
+        untouched = group_pages(10, dtype)[0]
+        assert torch.equal(alone_arena[~mine], untouched[~mine])
+
+
+def key_of(conv: Tensor, ssm: Tensor, dtype: torch.dtype, batch: int = 5) -> str:
+    """The package key of the step over these views for ``batch`` decodes."""
+    inputs = [t[:batch].contiguous() for t in projections(batch, dtype)]
+    pages, fresh = torch.arange(batch), torch.zeros(batch, dtype=torch.bool)
+    views = fused.StepViews(conv, ssm, ssm)
+    flat = fused._flat_inputs(inputs, pages, fresh, views, fused._step_params(weights(dtype)))
+    return ahead_of_time.package_key("step", fused._SOURCES, flat, fused._DYNAMIC_FIRST)
+
+
+def test_the_key_names_the_layout_not_the_arena() -> None:
+    """One package per layout: arenas of other page counts and batches of other sizes share
+    a key; another dtype, another thread count or another state size does not."""
+    dtype = torch.bfloat16
+    _, conv, ssm = group_pages(10, dtype)
+    _, big_conv, big_ssm = group_pages(40, dtype)
+    key = key_of(conv, ssm, dtype)
+    assert key_of(big_conv, big_ssm, dtype, batch=17) == key
+    _, conv32, ssm32 = group_pages(10, torch.float32)
+    assert key_of(conv32, ssm32, torch.float32) != key
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert key_of(conv, ssm, dtype) != key
+    finally:
+        torch.set_num_threads(threads)
+    narrower = torch.as_strided(ssm, (10, 4, 16, 11), ssm.stride(), ssm.storage_offset())
+    assert key_of(conv, narrower, dtype) != key
+
+
+def test_a_package_that_cannot_be_loaded_leaves_the_just_in_time_form(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A package file that is not one (a disk full, a foreign file): one warning, the views
+    decode through the just-in-time form, and equal the eager step."""
+    monkeypatch.setenv(ahead_of_time.CACHE_ENV, str(tmp_path))
+
+    def broken_build(path: Path, export: Callable[[], object]) -> None:
+        path.write_bytes(b"not a package")
+
+    monkeypatch.setattr(ahead_of_time, "_build", broken_build)
+    dtype = torch.float32
+    w = weights(dtype)
+    _, conv, ssm = group_pages(12, dtype, seed=5)
+    with caplog.at_level(logging.WARNING, logger=ahead_of_time.__name__):
+        fused.warm_up_mixer_decode(conv, ssm, w)
+    assert not fused.compiled_ahead_of_time(conv, ssm)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
+    assert "compiling it in process instead" in caplog.records[0].getMessage()
+    inputs, pages = projections(4, dtype), [3, 1, 7, 2]
+    out = decode(inputs, [0, 1, 2, 3], pages, None, conv, ssm, w)
+    _, want_conv, want_ssm = group_pages(12, dtype, seed=5)
+    with running_eagerly():
+        want = decode(inputs, [0, 1, 2, 3], pages, None, want_conv, want_ssm, w)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_off_builds_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``HYBRIDKV_AOT_CACHE=off``: no package is built or looked for."""
+    monkeypatch.setenv(ahead_of_time.CACHE_ENV, "off")
+    assert ahead_of_time.cache_dir() is None and not ahead_of_time.available()
+
+    def no_build(path: Path, export: Callable[[], object]) -> None:
+        raise AssertionError("built with the cache off")
+
+    monkeypatch.setattr(ahead_of_time, "_build", no_build)
+    _, conv, ssm = group_pages(12, torch.float32, seed=6)
+    fused.warm_up_mixer_decode(conv, ssm, weights(torch.float32))
+    assert not fused.compiled_ahead_of_time(conv, ssm)
+    monkeypatch.setenv(ahead_of_time.CACHE_ENV, str(tmp_path / "c"))
+    assert ahead_of_time.cache_dir() == tmp_path / "c"
