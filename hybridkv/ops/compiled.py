@@ -19,7 +19,10 @@ its mask). An op that knows its layouts ahead compiles them when the engine star
 model runner), so serving never waits for a compile. Inductor keeps compiled code in its
 on-disk cache, so a later process on the same machine skips the C++ compile: ~1.6 s for
 the first graph then (most of it inductor's own start; later graphs ~0.1 s), ~8 s on a
-machine whose cache is empty. Where compiling cannot work (no C++
+machine whose cache is empty. Even warm, the imports of dynamo and inductor and the trace
+cost seconds of every start-up, so the warm-up of the GDN decode step first loads a package
+compiled ahead of time (:mod:`hybridkv.ops.ahead_of_time`), and this op compiles just in
+time only where there is none. Where compiling cannot work (no C++
 compiler, an unsupported platform) the op warns once and runs its eager form from then on;
 the two forms agree up to rounding (sums in another order).
 

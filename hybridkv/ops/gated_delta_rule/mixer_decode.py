@@ -22,6 +22,13 @@ head sizes compile as constants (with every size symbolic the same graph ran 2-3
 slower); the batch size is unbacked, so a lone decode runs the same graph; and q, k, v
 are returned beside the result, so inductor computes them once (see the fused form).
 
+The warm-up first loads the step compiled ahead of time for its page layout
+(:mod:`hybridkv.ops.ahead_of_time`: a package built once per machine and layout, loaded
+without the compiler), and decodes over those views call it; the just-in-time graph
+above serves any other views and wherever no package can be built or loaded. The two
+compiled forms are one function but not one code, so they round differently; each is
+batch-invariant, and an engine keeps its form for its life.
+
 The SSM states are read through an alias of their own storage
 (:func:`_reading_alias`) and written through the view: read through the tensor it
 writes, inductor would write the new states to a temporary and copy them in a second
