@@ -24,6 +24,7 @@ gets None, with one warning, and keeps its just-in-time form.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import logging
@@ -31,7 +32,7 @@ import os
 import platform
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -165,7 +166,7 @@ def _build(path: Path, export: Callable[[], ExportedProgram]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.stem}.{os.getpid()}.partial.pt2")
     try:
-        with warnings.catch_warnings():  # torch's own deprecations, met inside export
+        with _progress(path.stem), warnings.catch_warnings():  # (torch's own deprecations)
             warnings.simplefilter("ignore", (DeprecationWarning, FutureWarning))
             program = export()
             from torch._inductor import aoti_compile_and_package
@@ -175,3 +176,23 @@ def _build(path: Path, export: Callable[[], ExportedProgram]) -> None:
     finally:
         partial.unlink(missing_ok=True)
     logger.info("compiled %s in %.1f s", path.stem, time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def _progress(name: str) -> Iterator[None]:
+    """A spinner with the time elapsed on a terminal's stderr while a package builds: half
+    a minute of silence at start-up would look like a hang."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = Console(stderr=True)
+    columns = (
+        SpinnerColumn(),
+        TextColumn(f"compiling {name.rsplit('-', 1)[0]} (once per machine)"),
+        TimeElapsedColumn(),
+    )
+    with Progress(
+        *columns, console=console, transient=True, disable=not console.is_terminal
+    ) as spinner:
+        spinner.add_task(name, total=None)  # a row to draw
+        yield
