@@ -9,15 +9,17 @@ step that must be compiled is exported and compiled ahead of time the first time
 machine meets its layout, the package stored under a key of everything its code depends
 on, and every later process loads it.
 
-The key covers: this format's version, torch's version, the CPU's vector ISA and the
-machine, the number of torch threads (inductor writes it into the code), the sources of
-the modules the step is made of, and each input's dtype, device, static sizes and strides.
-A package is written to a temporary name and renamed, so two processes building the same
-one never see half of it. The directory is ``$HYBRIDKV_AOT_CACHE`` or
-``~/.cache/hybridkv/aot`` (``$XDG_CACHE_HOME`` respected); ``HYBRIDKV_AOT_CACHE=off``
-turns the mechanism off, and the op's caller compiles just in time instead.
+The key covers: this format's version, torch's version, the CPU's vector ISA, model and
+feature flags (inductor builds for the building CPU), the machine, the environment that
+changes what inductor builds, the number of torch threads (inductor writes it into the
+code), the sources of the modules the step is made of, and each input's dtype, device,
+static sizes and strides. A package is written to a temporary name and renamed, so two
+processes building the same one never see half of it; a failure leaves a marker file.
+The directory is ``$HYBRIDKV_AOT_CACHE`` or ``~/.cache/hybridkv/aot`` (``$XDG_CACHE_HOME``
+respected); ``HYBRIDKV_AOT_CACHE=off`` turns the mechanism off, and the op's caller
+compiles just in time instead.
 
-Building costs more than a just-in-time compile (~20-35 s on that machine against ~8-15
+Building costs more than a just-in-time compile (~25-35 s on that machine against ~8-15
 s), once per machine and layout. Where exporting, compiling or loading fails, the caller
 gets None, with one warning, and keeps its just-in-time form.
 """
@@ -60,8 +62,17 @@ def cache_dir() -> Path | None:
 
 
 def available() -> bool:
-    """Whether this torch can load packages (its C++ loader built in) and the cache is on."""
-    return cache_dir() is not None and hasattr(torch._C, "_aoti")
+    """Whether this torch can load packages (its C++ loader built in) and the cache is on.
+
+    Off too under ``AOTI_RUNTIME_CHECK_INPUTS``, AOTInductor's debugging checks: a package
+    declares its batch size >= 2 (torch specialises sizes of one), which those checks
+    enforce, while its loops run a batch of one as any other (a lone row is the same bits
+    as in a batch: tests/ops/test_ahead_of_time.py)."""
+    return (
+        cache_dir() is not None
+        and hasattr(torch._C, "_aoti")
+        and os.environ.get("AOTI_RUNTIME_CHECK_INPUTS", "0") in ("", "0")
+    )
 
 
 @functools.cache
@@ -73,6 +84,37 @@ def _source_digest(modules: tuple[ModuleType, ...]) -> str:
         digest.update(module.__name__.encode())
         digest.update(Path(path).read_bytes() if path else b"")
     return digest.hexdigest()
+
+
+@functools.cache
+def _cpu_digest() -> str:
+    """sha256 of the CPU's model and feature flags: inductor compiles packages for the
+    building CPU (``-march=native``), which another CPU of the same ISA level may lack
+    (an illegal instruction is a crash, not an exception). From ``/proc/cpuinfo`` on
+    Linux, else what ``platform`` knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    wanted = ("model name", "flags", "Features", "CPU implementer", "CPU part")
+    picked = sorted({line for line in lines if line.split(":", 1)[0].strip() in wanted})
+    picked.append(platform.processor())
+    return hashlib.sha256("\n".join(picked).encode()).hexdigest()[:16]
+
+
+@functools.cache
+def _build_environment() -> str:
+    """The environment variables that change what inductor builds: its own options and the
+    C++ compiler chosen; read once per process, before anything builds (importing
+    inductor sets ``TORCHINDUCTOR_CACHE_DIR``, and a key must not change with it: the
+    second layer of a model would build its package again), cache directories left out."""
+    prefixes = ("TORCHINDUCTOR_", "AOT_INDUCTOR_", "TORCH_COMPILE_")
+    chosen = sorted(
+        f"{k}={v}"
+        for k, v in os.environ.items()
+        if (k.startswith(prefixes) or k in ("CXX", "CC")) and not k.endswith("CACHE_DIR")
+    )
+    return hashlib.sha256("\n".join(chosen).encode()).hexdigest()[:16]
 
 
 def _describe(t: Tensor, dynamic_first_dim: bool) -> str:
@@ -97,6 +139,8 @@ def package_key(
         f"torch {torch.__version__}",
         f"isa {torch.backends.cpu.get_cpu_capability()}",
         f"machine {platform.machine()} {platform.system()}",
+        f"cpu {_cpu_digest()}",
+        f"build {_build_environment()}",
         f"threads {torch.get_num_threads()}",
         f"sources {_source_digest(tuple(modules))}",
     ]
@@ -130,40 +174,80 @@ def loaded_steps() -> list[AheadOfTimeStep]:
     return list(_LOADED.values())
 
 
+KEEP_PACKAGES = 8  # per step name: the most recently used; older ones are deleted
+
+
 def load_or_build(key: str, export: Callable[[], ExportedProgram]) -> AheadOfTimeStep | None:
     """The package ``key`` loaded, built first (``export()`` then AOTInductor) when the
-    cache lacks it; None, with a warning, where any of it fails or the cache is off. A
-    package is loaded once per process."""
+    cache lacks it; None, with a warning, where the cache is off or cannot be written, or
+    any of it fails. A package is loaded once per process.
+
+    A failure leaves a ``<key>.failed`` file holding the error, so later processes do not
+    spend half a minute failing again (each warns; deleting the file retries).
+    """
     directory = cache_dir()
-    if directory is None or not hasattr(torch._C, "_aoti"):
+    if directory is None or not available():
         return None
     path = directory / f"{key}.pt2"
     if path in _LOADED:
         return _LOADED[path]
+    failed = path.with_suffix(".failed")
+    if failed.exists():
+        logger.warning(
+            "the ahead-of-time compile of %s failed before (%s); compiling it in process "
+            "instead (delete that file to try again)",
+            key,
+            failed,
+        )
+        return None
     try:
         if not path.exists():
+            directory.mkdir(parents=True, exist_ok=True)
+            if not os.access(directory, os.W_OK):
+                raise PermissionError(f"{directory} is not writable")
             _build(path, export)
+            _prune(directory, key.rsplit("-", 1)[0])
         step = _LOADED[path] = AheadOfTimeStep(path)
+        os.utime(path)  # recently used: kept by _prune
         return step
     except Exception as exc:  # any failure means the just-in-time form
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         logger.warning(
             "ahead-of-time compile of %s failed, compiling it in process instead: %s",
             key,
-            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            message,
         )
+        if path.parent.is_dir() and os.access(path.parent, os.W_OK):
+            failed.write_text(f"{type(exc).__name__}: {message}\n")
         return None
+
+
+def _prune(directory: Path, name: str) -> None:
+    """Keep the :data:`KEEP_PACKAGES` most recently used packages of step ``name`` (each
+    source change or torch upgrade makes a new one) and delete partial files of builds
+    that died more than an hour ago."""
+    packages = sorted(
+        directory.glob(f"{name}-*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True
+    )
+    stale = [
+        p
+        for p in directory.glob(f".{name}-*.partial.pt2")
+        if time.time() - p.stat().st_mtime > 3600
+    ]
+    for old in [*packages[KEEP_PACKAGES:], *stale]:
+        old.unlink(missing_ok=True)
+        old.with_suffix(".failed").unlink(missing_ok=True)
 
 
 def _build(path: Path, export: Callable[[], ExportedProgram]) -> None:
     """Export, compile and store one package (atomically: module doc)."""
     logger.info(
-        "compiling %s ahead of time: once per machine and model layout (~20-40 s), "
+        "compiling %s ahead of time: once per machine and model layout (~25-35 s), "
         "loaded from %s by later processes",
         path.stem,
         path.parent,
     )
     start = time.perf_counter()
-    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.stem}.{os.getpid()}.partial.pt2")
     try:
         with _progress(path.stem), warnings.catch_warnings():  # (torch's own deprecations)

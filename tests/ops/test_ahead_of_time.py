@@ -156,6 +156,23 @@ def test_the_key_names_the_layout_not_the_arena() -> None:
         torch.set_num_threads(threads)
     narrower = torch.as_strided(ssm, (10, 4, 16, 11), ssm.stride(), ssm.storage_offset())
     assert key_of(conv, narrower, dtype) != key
+    # the same sizes in pages of another stride (another arena layout): another package
+    wider = (ssm.stride()[0] + 64, *ssm.stride()[1:])
+    assert key_of(conv, torch.as_strided(ssm, (5, *ssm.shape[1:]), wider, 0), dtype) != key
+    inputs = [t[:5].contiguous() for t in projections(5, dtype)]
+    views = fused.StepViews(conv, ssm, ssm)
+    params = fused._step_params(weights(dtype))
+    fresh = torch.zeros(5, dtype=torch.bool)
+    int64, int32 = (
+        ahead_of_time.package_key(
+            "step",
+            fused._SOURCES,
+            fused._flat_inputs(inputs, torch.arange(5, dtype=index), fresh, views, params),
+            fused._DYNAMIC_FIRST,
+        )
+        for index in (torch.int64, torch.int32)
+    )
+    assert int64 == key and int32 != key
 
 
 def test_a_package_that_cannot_be_loaded_leaves_the_just_in_time_form(
@@ -177,6 +194,19 @@ def test_a_package_that_cannot_be_loaded_leaves_the_just_in_time_form(
     assert not fused.compiled_ahead_of_time(conv, ssm)
     assert [r.levelno for r in caplog.records] == [logging.WARNING]
     assert "compiling it in process instead" in caplog.records[0].getMessage()
+    [marker] = tmp_path.glob("*.failed")  # later processes do not fail again at length
+    caplog.clear()
+
+    def no_build(path: Path, export: Callable[[], object]) -> None:
+        raise AssertionError("built again after a failure")
+
+    monkeypatch.setattr(ahead_of_time, "_build", no_build)
+    monkeypatch.setattr(ahead_of_time, "_LOADED", {})
+    _, other_conv, other_ssm = group_pages(12, dtype, seed=7)
+    with caplog.at_level(logging.WARNING, logger=ahead_of_time.__name__):
+        fused.warm_up_mixer_decode(other_conv, other_ssm, w)
+    assert not fused.compiled_ahead_of_time(other_conv, other_ssm)
+    assert "failed before" in caplog.records[0].getMessage() and str(marker) in caplog.text
     inputs, pages = projections(4, dtype), [3, 1, 7, 2]
     out = decode(inputs, [0, 1, 2, 3], pages, None, conv, ssm, w)
     _, want_conv, want_ssm = group_pages(12, dtype, seed=5)
@@ -199,3 +229,42 @@ def test_off_builds_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     assert not fused.compiled_ahead_of_time(conv, ssm)
     monkeypatch.setenv(ahead_of_time.CACHE_ENV, str(tmp_path / "c"))
     assert ahead_of_time.cache_dir() == tmp_path / "c"
+
+
+def test_a_cache_that_cannot_be_written_builds_nothing(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache directory that cannot be created or written: one warning at once, not half
+    a minute of building first; the views decode just in time."""
+    monkeypatch.setenv(ahead_of_time.CACHE_ENV, "/proc/hybridkv-aot")
+
+    def no_build(path: Path, export: Callable[[], object]) -> None:
+        raise AssertionError("built into an unwritable cache")
+
+    monkeypatch.setattr(ahead_of_time, "_build", no_build)
+    _, conv, ssm = group_pages(12, torch.float32, seed=8)
+    with caplog.at_level(logging.WARNING, logger=ahead_of_time.__name__):
+        fused.warm_up_mixer_decode(conv, ssm, weights(torch.float32))
+    assert not fused.compiled_ahead_of_time(conv, ssm)
+    assert len(caplog.records) == 1 and "/proc/hybridkv-aot" in caplog.text
+
+
+def test_strided_indices_take_the_just_in_time_form(ahead: list[Path]) -> None:
+    """A package reads its inputs as laid out when it was built: strided pages (every
+    other element of a tensor) would update other requests' states. Such a call takes the
+    just-in-time form and equals the eager step; the engine's own indices are contiguous."""
+    dtype = torch.float32
+    w = weights(dtype)
+    _, conv, ssm = warmed(12, dtype)
+    inputs = projections(3, dtype)
+    every_other = torch.tensor([3, 0, 5, 0, 1, 0])[::2]
+    calls = package_calls()
+    with torch.inference_mode():
+        rows = fused.DecodeRows(rows=torch.arange(3), pages=every_other, fresh=None)
+        out = fused.gated_deltanet_decode(*(t.clone() for t in inputs), rows, conv, ssm, w)
+    assert package_calls() == calls
+    _, want_conv, want_ssm = group_pages(12, dtype)
+    with running_eagerly():
+        want = decode(inputs, [0, 1, 2], [3, 5, 1], None, want_conv, want_ssm, w)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(conv, want_conv)

@@ -44,7 +44,6 @@ have (parallel samples copy their state at admission).
 from __future__ import annotations
 
 import ctypes
-import logging
 import sys
 from typing import NamedTuple
 
@@ -63,8 +62,6 @@ from hybridkv.ops.gated_norm import gated_rms_norm
 from hybridkv.ops.paged_state import DecodeRows
 from hybridkv.ops.row_copy import index_copy_rows
 from hybridkv.ops.tensor_memo import TensorMemo
-
-logger = logging.getLogger(__name__)
 
 # rows of the warm-up's batch: a size no model dimension has (dynamo ties sizes that are
 # equal when it traces)
@@ -308,8 +305,10 @@ class _LoadedStep(NamedTuple):
     dtypes: tuple[torch.dtype, ...]  # x, z, b, a, pages, fresh
 
 
-# per (conv write alias, SSM view, SSM read alias) and thread count: the step loaded ahead
-# of time at warm-up, or None (not warmed up, or no package: the just-in-time form)
+# per (conv write alias, SSM view, SSM read alias): the step loaded ahead of time at
+# warm-up, or None (not warmed up, or no package: the just-in-time form). Not per thread
+# count: a package built for one runs correctly on another (its rows are independent), and
+# an engine keeps one form for its life
 _AHEAD: TensorMemo[_LoadedStep | None] = TensorMemo()
 
 
@@ -331,23 +330,24 @@ def _load_ahead_of_time(flat: tuple[Tensor, ...], views: StepViews) -> None:
 
     step = ahead_of_time.load_or_build(key, export)
     loaded = None if step is None else _LoadedStep(step, tuple(t.dtype for t in flat[:6]))
-    _AHEAD.remember(tuple(views), loaded, torch.get_num_threads())
+    _AHEAD.remember(tuple(views), loaded)
 
 
 def _run_ahead_of_time(
     flat: tuple[Tensor, ...], views: StepViews
 ) -> tuple[Tensor, Tensor, Tensor, Tensor] | None:
     """The step's outputs from its package, or None where none serves these views and
-    inputs (the caller compiles just in time)."""
-    loaded = _AHEAD.get(tuple(views), lambda: None, torch.get_num_threads())
-    if loaded is None or tuple(t.dtype for t in flat[:6]) != loaded.dtypes:
+    inputs (the caller compiles just in time). A package checks nothing of its inputs
+    (reading a strided ``pages`` as contiguous would update other requests' states), so the
+    per-step inputs must have the dtypes it was built for and be contiguous, as the
+    engine's are: ``index_select`` results and the step's own index tensors."""
+    loaded = _AHEAD.get(tuple(views), lambda: None)
+    if loaded is None:
         return None
-    try:
-        out = loaded.step(*flat)
-    except RuntimeError as exc:  # never seen; the just-in-time form from then on
-        logger.warning("the ahead-of-time GDN decode step failed, compiling it: %s", exc)
-        _AHEAD.remember(tuple(views), None, torch.get_num_threads())
+    batch = flat[:6]
+    if tuple(t.dtype for t in batch) != loaded.dtypes or not all(t.is_contiguous() for t in batch):
         return None
+    out = loaded.step(*flat)
     return out[0], out[1], out[2], out[3]
 
 
@@ -358,7 +358,7 @@ def compiled_ahead_of_time(conv_pages: Tensor, ssm_pages: Tensor) -> bool:
         return False
     with torch.inference_mode():  # the aliases are per mode
         views = (_reading_alias(conv_pages, "write"), ssm_pages, _reading_alias(ssm_pages))
-    return _AHEAD.get(views, lambda: None, torch.get_num_threads()) is not None
+    return _AHEAD.get(views, lambda: None) is not None
 
 
 def _step_params(weights: MixerWeights) -> StepParams:
@@ -427,7 +427,7 @@ def warm_up_mixer_decode(conv_pages: Tensor, ssm_pages: Tensor, weights: MixerWe
         z = torch.zeros(num_rows, heads, v_dim, dtype=dtype, device=device)
         b, a = (torch.zeros(num_rows, heads, dtype=dtype, device=device) for _ in range(2))
         decodes = DecodeRows(rows=rows, pages=pages, fresh=None)
-        if ahead_of_time.available():
+        if ahead_of_time.available() and batch >= 2:  # (an example batch of 2 at least)
             views = StepViews(
                 _reading_alias(conv_pages, "write"), ssm_pages, _reading_alias(ssm_pages)
             )
