@@ -311,19 +311,22 @@ def serve_in_a_fresh_interpreter(
     return {path: (found["LOADED"][path], found["TOKENS"][path]) for path in paths}
 
 
-def test_a_second_start_loads_the_compiled_step_without_the_compiler(
-    checkpoints: Any, tmp_path: Path
-) -> None:
-    """The GDN decode step compiled ahead of time (hybridkv.ops.ahead_of_time): the first
-    engine on a machine builds its package (importing the compiler to do it); the next
-    one, in a new process, loads the package and serves without importing dynamo or
-    inductor, the same reply."""
+def test_a_second_start_loads_the_compiled_step_without_the_compiler(checkpoints: Any) -> None:
+    """The GDN decode step compiled ahead of time (hybridkv.ops.ahead_of_time), in the
+    engine's own package cache: a first engine process loads its package, or builds it
+    (importing the compiler) where the cache lacks it; the next one loads it and serves
+    without importing dynamo or inductor, the same reply. The cache is the real one, so a
+    warm machine's suite does not spend half a minute rebuilding it each run (the build
+    itself: tests/ops/test_ahead_of_time.py on a cold cache)."""
     path = str(checkpoints(ARCH)[1])
-    cache = tmp_path / "aot"
+    cache = ahead_of_time.cache_dir()
+    if cache is None:
+        pytest.skip(f"{ahead_of_time.CACHE_ENV} is off")
+    before = set(cache.glob("gdn-mixer-decode-*.pt2"))
     first = serve_in_a_fresh_interpreter([path], eager=False, aot_cache=str(cache))
-    assert first[path][0] == ",".join(COMPILER_MODULES)
-    assert len(list(cache.glob("gdn-mixer-decode-*.pt2"))) == 1
-    assert not list(cache.glob(".*partial*"))
+    built = set(cache.glob("gdn-mixer-decode-*.pt2")) - before
+    assert first[path][0] == (",".join(COMPILER_MODULES) if built else "")
+    assert len(built) <= 1 and not list(cache.glob(".*partial*"))
     second = serve_in_a_fresh_interpreter([path], eager=False, aot_cache=str(cache))
     assert second[path] == ("", first[path][1])
 
