@@ -306,10 +306,10 @@ class _LoadedStep(NamedTuple):
 
 
 # per (conv write alias, SSM view, SSM read alias): the step loaded ahead of time at
-# warm-up, or None (not warmed up, or no package: the just-in-time form). Not per thread
-# count: a package built for one runs correctly on another (its rows are independent), and
-# an engine keeps one form for its life
-_AHEAD: TensorMemo[_LoadedStep | None] = TensorMemo()
+# warm-up (views without an entry, never warmed up or without a package, take the
+# just-in-time form). Not per thread count: a package built for one runs correctly on
+# another (its rows are independent), and an engine keeps one form for its life
+_AHEAD: TensorMemo[_LoadedStep] = TensorMemo()
 
 
 def _flat_inputs(
@@ -329,8 +329,8 @@ def _load_ahead_of_time(flat: tuple[Tensor, ...], views: StepViews) -> None:
         return torch.export.export(_ExportedStep(), flat, dynamic_shapes=shapes)
 
     step = ahead_of_time.load_or_build(key, export)
-    loaded = None if step is None else _LoadedStep(step, tuple(t.dtype for t in flat[:6]))
-    _AHEAD.remember(tuple(views), loaded)
+    if step is not None:
+        _AHEAD.remember(tuple(views), _LoadedStep(step, tuple(t.dtype for t in flat[:6])))
 
 
 def _run_ahead_of_time(
@@ -341,8 +341,8 @@ def _run_ahead_of_time(
     (reading a strided ``pages`` as contiguous would update other requests' states), so the
     per-step inputs must have the dtypes it was built for and be contiguous, as the
     engine's are: ``index_select`` results and the step's own index tensors."""
-    loaded = _AHEAD.get(tuple(views), lambda: None)
-    if loaded is None:
+    loaded = _AHEAD.lookup(tuple(views))
+    if not isinstance(loaded, _LoadedStep):
         return None
     batch = flat[:6]
     if tuple(t.dtype for t in batch) != loaded.dtypes or not all(t.is_contiguous() for t in batch):
@@ -358,7 +358,7 @@ def compiled_ahead_of_time(conv_pages: Tensor, ssm_pages: Tensor) -> bool:
         return False
     with torch.inference_mode():  # the aliases are per mode
         views = (_reading_alias(conv_pages, "write"), ssm_pages, _reading_alias(ssm_pages))
-    return _AHEAD.get(views, lambda: None) is not None
+    return isinstance(_AHEAD.lookup(views), _LoadedStep)
 
 
 def _step_params(weights: MixerWeights) -> StepParams:
