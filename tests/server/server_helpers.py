@@ -43,7 +43,9 @@ def start_server(engine: LLMEngine, api_key: str | None = None) -> LiveServer:
     from hybridkv.server import create_app
 
     app = create_app(engine, MODEL_NAME, api_key=api_key)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY only on sockets that name it, and without
+    # it each POST's response waited ~40 ms for the client's delayed ACK
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
