@@ -28,6 +28,7 @@ from hybridkv.ops.gated_delta_rule.mixer_decode import (
     gates,
     warm_up_mixer_decode,
 )
+from hybridkv.ops.gated_delta_rule.packaged_chunks import Signature, warm_up_chunks
 from hybridkv.ops.paged_state import needs_grad
 
 
@@ -77,7 +78,19 @@ class GatedDeltaNet(nn.Module):
         """Compile this layer's compiled ops for its cache layout (the model runner calls it
         once, before serving; hybridkv.ops.compiled)."""
         state = views.state(self.layer_index)
-        warm_up_mixer_decode(state["conv"], state["ssm"], self.mixer_weights())
+        weights = self.mixer_weights()
+        warm_up_mixer_decode(state["conv"], state["ssm"], weights)
+        cfg, dtype = self.cfg, weights.conv.dtype  # the projections' dtype
+        warm_up_chunks(
+            Signature(
+                (dtype, dtype, dtype, torch.float32, dtype),  # q, k, v, g (fp32), beta
+                cfg.num_k_heads,
+                cfg.k_head_dim,
+                cfg.num_v_heads,
+                cfg.v_head_dim,
+                state["ssm"].device.type,
+            )
+        )
 
     def mixer_weights(self) -> MixerWeights:
         """The parameters the fused decode step reads."""

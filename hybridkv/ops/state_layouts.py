@@ -111,6 +111,12 @@ class ChunkLayout:
         a layer pads and every layer of the step."""
         return self.slots // self.chunk_tokens, self.slots % self.chunk_tokens
 
+    @cached_property
+    def chunk_ids(self) -> Tensor:
+        """[num_chunks] the chunks' numbers (the packaged operands read their count from it:
+        :mod:`hybridkv.ops.gated_delta_rule.packaged_chunks`)."""
+        return torch.arange(self.num_chunks, device=self.rows.device)
+
     def pad_heads_first(self, xs: Sequence[Tensor]) -> list[Tensor]:
         """Each of ``xs`` (rows [T, H, ...], one dtype) as [num_chunks, H, chunk_tokens, ...],
         zeros between.

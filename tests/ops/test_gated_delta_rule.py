@@ -11,6 +11,7 @@ from torch import Tensor
 
 from hybridkv.ops.gated_delta_rule import (
     chunk_gated_delta_rule,
+    chunk_operands,
     gated_delta_rule_varlen,
     recurrent_gated_delta_rule,
 )
@@ -160,7 +161,7 @@ def test_unit_lower_inverse_equals_triangular_solve(n: int, batch: int) -> None:
     t = torch.randn(batch, 2, n, n, generator=gen).tril(-1) * 0.3 + torch.eye(n)
     rhs = torch.randn(batch, 2, n, 5, generator=gen)
     want = torch.linalg.solve_triangular(t, rhs, upper=False, unitriangular=True)
-    inverse = gdn_module.unit_lower_inverse(t)
+    inverse = chunk_operands.unit_lower_inverse(t)
     assert torch.equal(inverse.triu(1), torch.zeros_like(inverse))
     torch.testing.assert_close(inverse @ rhs, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(inverse @ t, torch.eye(n).expand_as(t), rtol=1e-5, atol=1e-5)

@@ -55,9 +55,10 @@ from hybridkv.ops import ahead_of_time
 from hybridkv.ops.ahead_of_time import AheadOfTimeStep
 from hybridkv.ops.causal_conv1d.paged import conv_decode
 from hybridkv.ops.compiled import CompiledOp
-from hybridkv.ops.gated_delta_rule import naive, paged
+from hybridkv.ops.gated_delta_rule import chunk_operands, naive, paged
+from hybridkv.ops.gated_delta_rule.chunk_operands import per_v_head, prepare_rows
 from hybridkv.ops.gated_delta_rule.naive import l2norm
-from hybridkv.ops.gated_delta_rule.paged import _per_v_head, _prepare_rows, decode_in_pages
+from hybridkv.ops.gated_delta_rule.paged import decode_in_pages
 from hybridkv.ops.gated_norm import gated_rms_norm
 from hybridkv.ops.paged_state import DecodeRows
 from hybridkv.ops.row_copy import index_copy_rows
@@ -146,7 +147,7 @@ def _mixer_decode_fused(
     q = l2norm(y[:, :key_dim].unflatten(1, (k_heads, k_dim)).float()) * k_dim**-0.5
     k = l2norm(y[:, key_dim : 2 * key_dim].unflatten(1, (k_heads, k_dim)).float())
     v = y[:, 2 * key_dim :].unflatten(1, (heads, v_dim)).float()
-    q, k = _per_v_head(q, heads), _per_v_head(k, heads)
+    q, k = per_v_head(q, heads), per_v_head(k, heads)
     g, beta = gates(a, b, a_log, dt_bias)
     beta = beta.float()
 
@@ -195,11 +196,11 @@ def _mixer_decode_eager(
     batch = y.shape[0]
     q, k, v = y.split([key_dim, key_dim, heads * v_dim], dim=-1)
     g, beta = gates(a, b, a_log, dt_bias)
-    q, k, v, g, beta = _prepare_rows(
+    q, k, v, g, beta = prepare_rows(
         q.reshape(batch, -1, k_dim), k.reshape(batch, -1, k_dim), v.reshape(batch, heads, v_dim),
         g, beta,
     )  # fmt: skip
-    q, k = _per_v_head(q, heads).contiguous(), _per_v_head(k, heads).contiguous()
+    q, k = per_v_head(q, heads).contiguous(), per_v_head(k, heads).contiguous()
     out = decode_in_pages(ssm_view, pages, fresh, q, k, v.contiguous(), g, beta)
     gated = gated_rms_norm(out.to(x.dtype), z, norm_weight, float(eps)).flatten(1)
     return gated, q, k, v
@@ -293,7 +294,7 @@ class _ExportedStep(torch.nn.Module):
 
 
 # what the step's code is made of (a change to one is a new package)
-_SOURCES = (sys.modules[__name__], naive, paged)
+_SOURCES = (sys.modules[__name__], chunk_operands, naive, paged)
 # the package's inputs with a dynamic first size: the decodes' six, the views' three
 _DYNAMIC_FIRST = (True,) * 9 + (False,) * 5
 

@@ -18,8 +18,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from hybridkv.ops.exp import decay_exp_
-from hybridkv.ops.gated_delta_rule.naive import chunk_gated_delta_rule, l2norm
+from hybridkv.ops.gated_delta_rule.chunk_operands import (
+    ChunkOperands,
+    chunk_operands,
+    per_v_head,
+    prepare_rows,
+)
+from hybridkv.ops.gated_delta_rule.naive import chunk_gated_delta_rule
+from hybridkv.ops.gated_delta_rule.packaged_chunks import package_for, run_package
 from hybridkv.ops.paged_state import (
     DecodeRows,
     StateBatch,
@@ -45,20 +51,6 @@ CHUNK_TOKENS = 16
 TRAINING_CHUNK_TOKENS = 64  # the differentiable path's (gated_delta_rule_varlen)
 
 
-def _prepare_rows(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """fp32 rows, q and k l2-normalised (still on their Hk heads), q scaled by 1/sqrt(Dk)."""
-    q = l2norm(q.float()) * q.shape[-1] ** -0.5
-    return q, l2norm(k.float()), v.float(), g.float(), beta.float()
-
-
-def _per_v_head(x: Tensor, v_heads: int) -> Tensor:
-    """[..., Hk, ...] -> [..., Hv, ...] along dim 1 (value head h reads k-head h // r)."""
-    rep = v_heads // x.shape[1]
-    return x if rep == 1 else x.repeat_interleave(rep, dim=1)
-
-
 def _decode(
     rows: tuple[Tensor, Tensor, Tensor, Tensor, Tensor],
     view: Tensor,
@@ -77,8 +69,8 @@ def _decode(
         q, k, v, g, beta = (x.contiguous() for x in rows)
     else:
         q, k, v, g, beta = (x.index_select(0, decodes.rows) for x in rows)  # [B, H, ...]
-    q = _per_v_head(q, v.shape[1]).contiguous()
-    k = _per_v_head(k, v.shape[1]).contiguous()
+    q = per_v_head(q, v.shape[1]).contiguous()
+    k = per_v_head(k, v.shape[1]).contiguous()
     return decode_in_pages(view, decodes.pages, decodes.fresh, q, k, v, g, beta)
 
 
@@ -114,68 +106,13 @@ def decode_in_pages(
     return out
 
 
-INVERSE_BLOCK = 16  # unit_lower_inverse solves blocks up to this size directly
-SOLVE_ROWS = 512  # ... and whole batches of at most this many rows (matrices x n)
-
-
-def unit_lower_inverse(t: Tensor) -> Tensor:
-    """Inverse of a batch of unit lower-triangular matrices [..., n, n].
-
-    The chunked form needs ``T^-1 V`` and ``T^-1 K`` for the same ``T``; one inverse and two
-    matmuls cost less than two batched triangular solves on CPU, where the solves run at a
-    few GFLOP/s on 64x64 matrices. The inverse is built by halves (``[[A, 0], [C, B]]^-1 =
-    [[A^-1, 0], [-B^-1 C A^-1, B^-1]]``), so most of its work is matmuls too; blocks of up to
-    :data:`INVERSE_BLOCK` rows are solved directly. transformers' chunked form also applies
-    an explicit inverse, built row by row.
-
-    A small batch (a short prefill's one chunk) is solved directly whatever its size: the
-    halves' dozen ops cost more than the solve there (one thread, interleaved: 4 matrices of
-    32: 20 vs 42 us; of 64: 65 vs 113 us; 32 matrices of 64: 490 vs 300 us).
-    """
-    n = t.shape[-1]
-    if n <= INVERSE_BLOCK or t[..., 0, 0].numel() * n <= SOLVE_ROWS:
-        eye = torch.eye(n, dtype=t.dtype, device=t.device).expand(t.shape)
-        return torch.linalg.solve_triangular(t, eye, upper=False, unitriangular=True)
-    half = n // 2
-    first = unit_lower_inverse(t[..., :half, :half])
-    second = unit_lower_inverse(t[..., half:, half:])
-    out = torch.zeros_like(t)
-    out[..., :half, :half] = first
-    out[..., half:, half:] = second
-    out[..., half:, :half] = (second @ t[..., half:, :half] @ first).neg_()
-    return out
-
-
-def _chunks(
-    rows: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], view: Tensor, layout: ChunkLayout
-) -> Tensor:
-    """The chunked form over every multi-token request: [Tp, Hv, Dv] in layout.rows order.
-
-    q·k and k·k are computed once per k-head and shared by its value heads (grouped as
-    [N, Hk, r, ...] views of the value-head tensors).
-    """
-    q, k, v, g, beta = layout.pad_heads_first(rows)  # [N, H, C, ...]
-    num_chunks, k_heads, size, k_dim = k.shape
-    heads, v_dim = v.shape[1], v.shape[-1]
-    grouped = (num_chunks, k_heads, heads // k_heads, size)  # value heads by k-head
-
-    cum = g.cumsum(dim=-1)  # [N, Hv, C]
-    upper = layout.strict_upper
-    decay = decay_exp_(cum[..., :, None] - cum[..., None, :], upper)  # exp(cum_i - cum_j), i >= j
-    decay_g = decay.view(*grouped, size)  # [N, Hk, r, C, C]
-    kk = (k @ k.transpose(-1, -2))[:, :, None]  # [N, Hk, 1, C, C]
-    ut = (kk * decay_g).mul_(beta.view(*grouped, 1)).view_as(decay)  # unit lower-triangular
-    intra = ((q @ k.transpose(-1, -2))[:, :, None] * decay_g).view_as(decay)
-    k_g = k[:, :, None]  # [N, Hk, 1, C, Dk]
-    ut_inv = unit_lower_inverse(ut)
-    u = ut_inv @ v.mul_(beta[..., None])
-    start_decay = decay_exp_(cum.clone())  # [N, Hv, C]
-    w = ut_inv @ (k_g * (beta * start_decay).view(*grouped, 1)).view(-1, heads, size, k_dim)
-    q = (q[:, :, None] * start_decay.view(*grouped, 1)).view(-1, heads, size, k_dim)
-    to_end = decay_exp_(cum[..., -1:] - cum).view(*grouped, 1)
-    k_end = (k_g * to_end).view(-1, heads, size, k_dim)
-    end_decay = start_decay[..., -1, None, None]  # [N, Hv, 1, 1]
-
+def _chunks(operands: ChunkOperands, view: Tensor, layout: ChunkLayout) -> Tensor:
+    """The chunked form's loop over the chunk steps of a layout, from its
+    :class:`ChunkOperands`: [Tp, Hv, Dv] in layout.rows order, the states updated in their
+    pages and the captures written."""
+    w, u, q, intra, k_end, end_decay, k_g, decay, cum = operands
+    num_chunks, heads, size, k_dim = w.shape
+    v_dim = u.shape[-1]
     state = read_states(view, layout.pages, layout.fresh, "gdn.state")  # [Rp, Hv, Dk, Dv]
     out = torch.empty(num_chunks, heads, size, v_dim, device=q.device)
     # each step's operands cut once, as [n * Hv, ...] matrices: a short prefill runs a
@@ -190,7 +127,7 @@ def _chunks(
         u.view(-1, size, v_dim).split(step_rows),
         q.view(-1, size, k_dim).split(step_rows),
         intra.view(-1, size, size).split(step_rows),
-        k_end.transpose(-1, -2).reshape(-1, k_dim, size).split(step_rows),
+        k_end.view(-1, k_dim, size).split(step_rows),
         end_decay.split(counts),
         out.view(-1, size, v_dim).split(step_rows),
         strict=True,
@@ -275,17 +212,25 @@ def gated_delta_rule_varlen(
             return o[0], final[0]
 
         return scan_each_request(torch.empty_like(v), ssm_pages, states, scan)
-    rows = _prepare_rows(q, k, v, g, beta)
+    raw = (q, k, v, g, beta)
     decode_only = states.decodes is not None and states.decodes.rows.numel() == v.shape[0]
     if decode_only and not skip_decodes:
         assert states.decodes is not None
-        out = _decode(rows, ssm_pages, states.decodes, every_row=True)
+        out = _decode(prepare_rows(*raw), ssm_pages, states.decodes, every_row=True)
         states.copy_final_captures(ssm_pages)
         return out.to(v.dtype)
     out = torch.empty(v.shape, dtype=torch.float32, device=v.device)
+    rows = None  # prepared for the eager forms, when one runs
     if states.decodes is not None and not skip_decodes:
+        rows = prepare_rows(*raw)
         index_copy_rows(out, states.decodes.rows, _decode(rows, ssm_pages, states.decodes))
     for layout in states.chunks(chunk_size, BLOCK_TOKENS):  # rows as 16-byte words
-        index_copy_rows(out, layout.rows, _chunks(rows, ssm_pages, layout))
+        package = package_for(raw, layout)  # the operands compiled ahead of time
+        if package is not None:
+            operands = run_package(package, raw, layout)
+        else:
+            rows = prepare_rows(*raw) if rows is None else rows
+            operands = chunk_operands(*layout.pad_heads_first(rows), layout.strict_upper)
+        index_copy_rows(out, layout.rows, _chunks(operands, ssm_pages, layout))
     states.copy_final_captures(ssm_pages)
     return out.to(v.dtype)
