@@ -21,6 +21,8 @@ from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.layers.norm import GatedRMSNorm
 from hybridkv.ops.causal_conv1d import causal_conv1d_varlen
+from hybridkv.ops.causal_conv1d.packaged import Signature as ConvSignature
+from hybridkv.ops.causal_conv1d.packaged import warm_up_conv
 from hybridkv.ops.gated_delta_rule import gated_delta_rule_varlen
 from hybridkv.ops.gated_delta_rule.mixer_decode import (
     MixerWeights,
@@ -81,6 +83,8 @@ class GatedDeltaNet(nn.Module):
         weights = self.mixer_weights()
         warm_up_mixer_decode(state["conv"], state["ssm"], weights)
         cfg, dtype = self.cfg, weights.conv.dtype  # the projections' dtype
+        device = state["ssm"].device.type
+        warm_up_conv(ConvSignature(dtype, dtype, cfg.conv_dim, cfg.conv_kernel, True, device))
         warm_up_chunks(
             Signature(
                 (dtype, dtype, dtype, torch.float32, dtype),  # q, k, v, g (fp32), beta
@@ -88,7 +92,7 @@ class GatedDeltaNet(nn.Module):
                 cfg.k_head_dim,
                 cfg.num_v_heads,
                 cfg.v_head_dim,
-                state["ssm"].device.type,
+                device,
             )
         )
 

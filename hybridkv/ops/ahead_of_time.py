@@ -174,13 +174,23 @@ def loaded_steps() -> list[AheadOfTimeStep]:
     return list(_LOADED.values())
 
 
-KEEP_PACKAGES = 8  # per step name: the most recently used; older ones are deleted
+# per step name, the packages kept: those used in the last UNUSED_DAYS days, at most
+# KEEP_PACKAGES of them (the most recently used). A count alone made the test suite,
+# whose tiny models have more than eight layouts of the GDN decode step, delete and
+# rebuild packages on every run (~20 s each)
+KEEP_PACKAGES = 64
+UNUSED_DAYS = 30
 
 
-def load_or_build(key: str, export: Callable[[], ExportedProgram]) -> AheadOfTimeStep | None:
-    """The package ``key`` loaded, built first (``export()`` then AOTInductor) when the
-    cache lacks it; None, with a warning, where the cache is off or cannot be written, or
-    any of it fails. A package is loaded once per process.
+def load_or_build(
+    key: str,
+    export: Callable[[], ExportedProgram],
+    inductor_options: dict[str, object] | None = None,
+) -> AheadOfTimeStep | None:
+    """The package ``key`` loaded, built first (``export()`` then AOTInductor with
+    ``inductor_options``; the caller's key must cover them) when the cache lacks it;
+    None, with a warning, where the cache is off or cannot be written, or any of it
+    fails. A package is loaded once per process.
 
     A failure leaves a ``<key>.failed`` file holding the error, so later processes do not
     spend half a minute failing again (each warns; deleting the file retries).
@@ -205,7 +215,7 @@ def load_or_build(key: str, export: Callable[[], ExportedProgram]) -> AheadOfTim
             directory.mkdir(parents=True, exist_ok=True)
             if not os.access(directory, os.W_OK):
                 raise PermissionError(f"{directory} is not writable")
-            _build(path, export)
+            _build(path, export, inductor_options)
             _prune(directory, key.rsplit("-", 1)[0])
         step = _LOADED[path] = AheadOfTimeStep(path)
         os.utime(path)  # recently used: kept by _prune
@@ -223,23 +233,25 @@ def load_or_build(key: str, export: Callable[[], ExportedProgram]) -> AheadOfTim
 
 
 def _prune(directory: Path, name: str) -> None:
-    """Keep the :data:`KEEP_PACKAGES` most recently used packages of step ``name`` (each
-    source change or torch upgrade makes a new one) and delete partial files of builds
-    that died more than an hour ago."""
+    """Delete the packages of step ``name`` (each source change or torch upgrade makes new
+    ones) unused for :data:`UNUSED_DAYS` days or past the :data:`KEEP_PACKAGES` most
+    recently used, and partial files of builds that died more than an hour ago."""
+    now = time.time()
     packages = sorted(
         directory.glob(f"{name}-*.pt2"), key=lambda p: p.stat().st_mtime, reverse=True
     )
-    stale = [
-        p
-        for p in directory.glob(f".{name}-*.partial.pt2")
-        if time.time() - p.stat().st_mtime > 3600
-    ]
-    for old in [*packages[KEEP_PACKAGES:], *stale]:
+    unused = [p for p in packages if now - p.stat().st_mtime > UNUSED_DAYS * 86400]
+    stale = [p for p in directory.glob(f".{name}-*.partial.pt2") if now - p.stat().st_mtime > 3600]
+    for old in [*packages[KEEP_PACKAGES:], *unused, *stale]:
         old.unlink(missing_ok=True)
         old.with_suffix(".failed").unlink(missing_ok=True)
 
 
-def _build(path: Path, export: Callable[[], ExportedProgram]) -> None:
+def _build(
+    path: Path,
+    export: Callable[[], ExportedProgram],
+    inductor_options: dict[str, object] | None = None,
+) -> None:
     """Export, compile and store one package (atomically: module doc)."""
     logger.info(
         "compiling %s ahead of time: once per machine and model layout (~25-35 s), "
@@ -255,7 +267,9 @@ def _build(path: Path, export: Callable[[], ExportedProgram]) -> None:
             program = export()
             from torch._inductor import aoti_compile_and_package
 
-            aoti_compile_and_package(program, package_path=str(partial))
+            aoti_compile_and_package(
+                program, package_path=str(partial), inductor_configs=inductor_options
+            )
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)

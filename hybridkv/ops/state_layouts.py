@@ -340,6 +340,12 @@ class ConvBlock:
     capture_rows: Tensor | None  # [Sb * (K-1)] ext rows of the captured states
     capture_pages: Tensor | None  # [Sb]
 
+    @cached_property
+    def ext_ids(self) -> Tensor:
+        """[ext_tokens] the axis' rows (the packaged conv reads its length from it:
+        :mod:`hybridkv.ops.causal_conv1d.packaged`)."""
+        return torch.arange(self.ext_tokens, device=self.x_rows.device)
+
 
 def build_conv_blocks(
     states: StepRows, kernel: int, block_tokens: int, multi_token_only: bool = False

@@ -6,6 +6,8 @@ package can be built or loaded."""
 from __future__ import annotations
 
 import logging
+import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -268,3 +270,30 @@ def test_strided_indices_take_the_just_in_time_form(ahead: list[Path]) -> None:
         want = decode(inputs, [0, 1, 2], [3, 5, 1], None, want_conv, want_ssm, w)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(conv, want_conv)
+
+
+def test_pruning_keeps_recent_packages_and_deletes_unused_ones(tmp_path: Path) -> None:
+    """Regression: a cap of eight packages a step made the suite, whose tiny models have
+    more decode layouts than that, delete and rebuild some on every run. Kept: every
+    package used within UNUSED_DAYS, up to KEEP_PACKAGES; deleted: older ones (and their
+    failure markers), dead partial builds; other steps' packages untouched."""
+    now = time.time()
+
+    def made(name: str, age_s: float) -> Path:
+        path = tmp_path / name
+        path.write_bytes(b"")
+        os.utime(path, (now - age_s, now - age_s))
+        return path
+
+    recent = [made(f"step-{i:03d}.pt2", 100 + 60 * i) for i in range(20)]
+    old = made("step-old.pt2", (ahead_of_time.UNUSED_DAYS + 1) * 86400)
+    marker = made("step-old.failed", 0)
+    partial = made(".step-dead.1.partial.pt2", 7200)
+    other = made("other-old.pt2", (ahead_of_time.UNUSED_DAYS + 1) * 86400)
+    ahead_of_time._prune(tmp_path, "step")
+    assert all(p.exists() for p in recent) and other.exists()
+    assert not old.exists() and not marker.exists() and not partial.exists()
+    many = [made(f"step-x{i:03d}.pt2", i) for i in range(ahead_of_time.KEEP_PACKAGES)]
+    ahead_of_time._prune(tmp_path, "step")
+    kept = sorted(p.name for p in tmp_path.glob("step-*.pt2"))
+    assert kept == sorted(p.name for p in many)  # the most recently used

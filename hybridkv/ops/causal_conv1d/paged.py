@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from hybridkv.ops.causal_conv1d.naive import activate, causal_conv1d_fn
+from hybridkv.ops.causal_conv1d.packaged import package_for, run_package
 from hybridkv.ops.paged_state import (
     DecodeRows,
     StateBatch,
@@ -69,9 +70,19 @@ def causal_conv1d_varlen(
         y = conv_decode(x, conv_pages, decodes, weight, bias, activation)
         states.copy_final_captures(conv_pages)
         return y
+    blocks = [] if every_row else states.conv(weight.shape[1], BLOCK_TOKENS, skip_decodes)
+    package = package_for(x, weight, bias, activation)  # a block compiled ahead of time
+    if package is not None:
+        for block in blocks:
+            fresh = None if states.fresh is None else states.fresh[block.reqs]
+            pages = states.pages[block.reqs]
+            carried = read_states(conv_pages, pages, fresh, "conv.state")  # [Rb, C, K-1]
+            y, ext = run_package(package, x[block.rows], carried, weight, block)
+            out[block.rows] = y
+            _write_block_states(ext, conv_pages, pages, block)
+        return out
     taps = weight.float().T.contiguous()  # [K, C]: contiguous rows vectorise the taps
     bias = None if bias is None else bias.float()
-    blocks = [] if every_row else states.conv(weight.shape[1], BLOCK_TOKENS, skip_decodes)
     for block in blocks:
         fresh = None if states.fresh is None else states.fresh[block.reqs]
         y = _conv_block(
@@ -161,9 +172,16 @@ def _conv_block(
     if bias is not None:
         acc.add_(bias)
 
+    _write_block_states(ext, conv_pages, pages, block)
+    return acc.index_select(0, block.x_rows - keep)
+
+
+def _write_block_states(ext: Tensor, conv_pages: Tensor, pages: Tensor, block: ConvBlock) -> None:
+    """The block's final states (to its requests' ``pages``) and captured ones, each the
+    K-1 rows of the block's axis ``ext`` [E, C] that end at its row."""
+    keep, channels = conv_pages.shape[2], ext.shape[1]
     final = ext.index_select(0, block.final_rows).view(-1, keep, channels)  # [Rb, K-1, C]
     write_states(conv_pages, pages, final.transpose(1, 2), "conv.state")
     if block.capture_rows is not None and block.capture_pages is not None:
         captured = ext.index_select(0, block.capture_rows).view(-1, keep, channels)
         write_states(conv_pages, block.capture_pages, captured.transpose(1, 2), "conv.capture")
-    return acc.index_select(0, block.x_rows - keep)

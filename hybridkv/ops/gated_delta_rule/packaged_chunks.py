@@ -3,9 +3,9 @@
 Before its loop over chunk steps, the chunked form prepares its rows (fp32, l2 norms),
 pads them into chunks and computes every chunk's operands
 (:func:`~hybridkv.ops.gated_delta_rule.chunk_operands.chunk_operands`): some hundred small
-ops a layer. At the sizes a short prefill has, their dispatch is most of its time: one
-60-token prefill of the tests' tiny Qwen3.5 took ~1.9 ms a GDN layer eagerly, of which the
-loop's four steps are ~0.2 ms. Exported and compiled by AOTInductor
+ops a layer. At the sizes a short prefill has, their dispatch is most of their time: one
+60-token prefill of the tests' tiny Qwen3.5, ~0.48 ms of operands a GDN layer eagerly,
+0.13 ms packaged (benchmarks/README.md). Exported and compiled by AOTInductor
 (:mod:`hybridkv.ops.ahead_of_time`), the preparation is one call; the loop stays eager and
 shared, with its captures (snapshots inside a prefill) as they were. (A package of the
 loop too, as a ``while_loop``, was tried: a loop that carries per-step results copies them
@@ -165,9 +165,7 @@ def warm_up_chunks(signature: Signature) -> bool:
     return True
 
 
-def package_for(
-    rows: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], layout: ChunkLayout
-) -> AheadOfTimeStep | None:
+def package_for(rows: Rows, layout: ChunkLayout) -> AheadOfTimeStep | None:
     """The package that computes this layout's operands, or None where none does (the
     caller runs the eager form): no package loaded for these dtypes and shapes, the eager
     mode, or a chunk other than :data:`CHUNK`. ``rows``: the step's q, k, v, g, beta as the
@@ -177,10 +175,24 @@ def package_for(
     return _LOADED.get(_signature(*rows))
 
 
-def run_package(
-    step: AheadOfTimeStep, rows: tuple[Tensor, Tensor, Tensor, Tensor, Tensor], layout: ChunkLayout
-) -> ChunkOperands:
-    """The layout's :class:`ChunkOperands` from ``step`` (:func:`package_for`)."""
-    # a package reads its inputs with the strides it was built for: contiguous ones
-    flat = [x.contiguous() for x in rows]
-    return ChunkOperands(*step(*flat, layout.rows, layout.slots, layout.chunk_ids))
+Rows = tuple[Tensor, Tensor, Tensor, Tensor, Tensor]  # q, k, v, g, beta
+
+
+def contiguous_rows(rows: Rows) -> Rows:
+    """The step's rows as a package reads them: with the strides it was built for. The
+    layer passes q, k, v as views of its conv's output; copied once per step, not once per
+    block of requests."""
+    q, k, v, g, beta = (x.contiguous() for x in rows)
+    return q, k, v, g, beta
+
+
+def run_package(step: AheadOfTimeStep, rows: Rows, layout: ChunkLayout) -> ChunkOperands:
+    """The layout's :class:`ChunkOperands` from ``step`` (:func:`package_for`); ``rows``
+    from :func:`contiguous_rows`. A package checks nothing of its inputs, so this checks
+    what it assumes: contiguous rows, int64 contiguous indices."""
+    indices = (layout.rows, layout.slots, layout.chunk_ids)
+    if not all(x.is_contiguous() for x in rows) or not all(
+        i.dtype == torch.int64 and i.is_contiguous() for i in indices
+    ):
+        raise ValueError("the packaged chunk operands take contiguous rows and int64 indices")
+    return ChunkOperands(*step(*rows, *indices))

@@ -25,7 +25,11 @@ from hybridkv.ops.gated_delta_rule.chunk_operands import (
     prepare_rows,
 )
 from hybridkv.ops.gated_delta_rule.naive import chunk_gated_delta_rule
-from hybridkv.ops.gated_delta_rule.packaged_chunks import package_for, run_package
+from hybridkv.ops.gated_delta_rule.packaged_chunks import (
+    contiguous_rows,
+    package_for,
+    run_package,
+)
 from hybridkv.ops.paged_state import (
     DecodeRows,
     StateBatch,
@@ -224,10 +228,12 @@ def gated_delta_rule_varlen(
     if states.decodes is not None and not skip_decodes:
         rows = prepare_rows(*raw)
         index_copy_rows(out, states.decodes.rows, _decode(rows, ssm_pages, states.decodes))
+    packed = None  # the rows as a package reads them (contiguous), made once per step
     for layout in states.chunks(chunk_size, BLOCK_TOKENS):  # rows as 16-byte words
         package = package_for(raw, layout)  # the operands compiled ahead of time
         if package is not None:
-            operands = run_package(package, raw, layout)
+            packed = contiguous_rows(raw) if packed is None else packed
+            operands = run_package(package, packed, layout)
         else:
             rows = prepare_rows(*raw) if rows is None else rows
             operands = chunk_operands(*layout.pad_heads_first(rows), layout.strict_upper)
