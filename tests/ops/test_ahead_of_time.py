@@ -31,8 +31,8 @@ def ahead(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Path]]:
     built: list[Path] = []
     build = ahead_of_time._build
 
-    def counted(path: Path, export: Callable[[], Any]) -> None:
-        build(path, export)
+    def counted(path: Path, export: Callable[[], Any], *options: Any) -> None:
+        build(path, export, *options)
         built.append(path)
 
     monkeypatch.setattr(ahead_of_time, "_build", counted)
