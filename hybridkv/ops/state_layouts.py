@@ -131,18 +131,7 @@ class ChunkLayout:
         elements = sum(math.prod(x.shape[1:]) for x in xs) * self.rows.numel()
         if elements > FUSED_PAD_ELEMENTS:
             return [self._pad_one(x) for x in xs]
-        flat = torch.cat([x.reshape(x.shape[0], -1) for x in xs], dim=1)  # [T, F]
-        padded = flat.new_zeros(self.num_chunks * self.chunk_tokens, flat.shape[1])
-        padded.index_copy_(0, self.slots, flat.index_select(0, self.rows))
-        padded = padded.view(self.num_chunks, self.chunk_tokens, -1)
-        out: list[Tensor] = []
-        at = 0
-        for x in xs:
-            width = math.prod(x.shape[1:])
-            part = padded[:, :, at : at + width].unflatten(2, x.shape[1:])  # [N, C, H, ...]
-            out.append(part.movedim(1, 2).contiguous())  # [N, H, C, ...]
-            at += width
-        return out
+        return pad_together(xs, self.slots, self.num_chunks, self.chunk_tokens, self.rows)
 
     def _pad_one(self, x: Tensor) -> Tensor:
         out = x.new_zeros(self.num_chunks, x.shape[1], self.chunk_tokens, *x.shape[2:])
@@ -153,6 +142,32 @@ class ChunkLayout:
     def unpad(self, y: Tensor) -> Tensor:
         """[num_chunks * chunk_tokens, ...] -> [Tp, ...], one row per entry of ``rows``."""
         return y.index_select(0, self.slots)
+
+
+def pad_together(
+    xs: Sequence[Tensor],
+    slots: Tensor,
+    num_chunks: int,
+    chunk_tokens: int,
+    rows: Tensor | None = None,
+) -> list[Tensor]:
+    """Each of ``xs`` (rows [T, H, ...], one dtype) as [num_chunks, H, chunk_tokens, ...],
+    zeros between: row ``i`` (of ``rows``, when given: picked first, one gather for all)
+    at ``slots[i]`` of the padded axis, every tensor in one scatter
+    (:meth:`ChunkLayout.pad_heads_first`; the packaged chunk operands run it too, on rows
+    they picked and prepared themselves)."""
+    flat = torch.cat([x.reshape(x.shape[0], -1) for x in xs], dim=1)  # [T, F]
+    padded = flat.new_zeros(num_chunks * chunk_tokens, flat.shape[1])
+    padded.index_copy_(0, slots, flat if rows is None else flat.index_select(0, rows))
+    padded = padded.view(num_chunks, chunk_tokens, -1)
+    out: list[Tensor] = []
+    at = 0
+    for x in xs:
+        width = math.prod(x.shape[1:])
+        part = padded[:, :, at : at + width].unflatten(2, x.shape[1:])  # [N, C, H, ...]
+        out.append(part.movedim(1, 2).contiguous())  # [N, H, C, ...]
+        at += width
+    return out
 
 
 def _step_captures(

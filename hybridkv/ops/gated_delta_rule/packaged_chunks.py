@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from hybridkv.ops import ahead_of_time, exp
+from hybridkv.ops import ahead_of_time, exp, state_layouts
 from hybridkv.ops.ahead_of_time import AheadOfTimeStep
 from hybridkv.ops.compiled import compile_enabled
 from hybridkv.ops.gated_delta_rule import chunk_operands as operands_module
@@ -36,7 +36,7 @@ from hybridkv.ops.gated_delta_rule.chunk_operands import (
     chunk_operands,
     prepare_rows,
 )
-from hybridkv.ops.state_layouts import ChunkLayout
+from hybridkv.ops.state_layouts import ChunkLayout, pad_together
 
 CHUNK = 16  # the package's chunk length (paged.CHUNK_TOKENS; other layouts stay eager)
 
@@ -56,18 +56,9 @@ def _packaged_operands(
     the layout's rows of them and ``slots`` [Tp] their slots in the padded axis
     (``ChunkLayout``); ``chunk_ids`` [N] (its size is the number of chunks). The rows
     are prepared (:func:`prepare_rows`) and padded as ``ChunkLayout.pad_heads_first``
-    pads them."""
+    pads them (:func:`pad_together`)."""
     prepared = prepare_rows(*(x.index_select(0, rows) for x in (q, k, v, g, beta)))
-    flat = torch.cat([x.flatten(1) if x.dim() > 2 else x for x in prepared], dim=1)  # [Tp, F]
-    padded = flat.new_zeros(chunk_ids.shape[0] * CHUNK, flat.shape[1])
-    padded = padded.index_copy(0, slots, flat).view(chunk_ids.shape[0], CHUNK, -1)
-    chunks = []
-    at = 0
-    for x in prepared:
-        width = x[0].numel()
-        part = padded[:, :, at : at + width].unflatten(2, x.shape[1:])  # [N, C, H, ...]
-        chunks.append(part.movedim(1, 2).contiguous())  # [N, H, C, ...]
-        at += width
+    chunks = pad_together(prepared, slots, chunk_ids.shape[0], CHUNK)
     upper = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).triu(1)
     return chunk_operands(*chunks, upper)
 
@@ -90,7 +81,7 @@ class _Exported(torch.nn.Module):
 
 
 # what the package's code is made of (a change to one is a new package)
-_SOURCES = (sys.modules[__name__], operands_module, naive, exp)
+_SOURCES = (sys.modules[__name__], operands_module, naive, exp, state_layouts)
 _DYNAMIC_FIRST = (True,) * 8  # the step's rows (5), the layout's rows (2), chunks
 
 
