@@ -26,6 +26,8 @@ from hybridkv.core.spec import GroupSpec, ModelSpec
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.models.base import CausalLM
+from hybridkv.models.decode_graph import DecodeGraph, load_decode_graph
+from hybridkv.ops.compiled import compile_enabled
 from hybridkv.ops.host_tensors import long_matrix, long_tensor
 from hybridkv.ops.paged_state import StateCaptures
 from hybridkv.sched.scheduler import ScheduledChunk
@@ -77,10 +79,15 @@ class ModelRunner:
         self.views = CacheViews(spec, layout, arena)
         self.groups = [g for g in spec.groups if not g.is_draft]  # the draft runs elsewhere
         self.num_page_copies = 0
+        # every one-token row's forward, where the model has one (loaded at warm-up)
+        self.decode_graph: DecodeGraph | None = None
 
     def warm_up_compiled(self) -> None:
-        """Compile the model's compiled ops for this cache's layout before serving."""
+        """Compile the model's compiled ops, and load its decode graph, for this cache's
+        layout before serving."""
         warm_up_compiled(self.model, self.views)
+        if compile_enabled():
+            self.decode_graph = load_decode_graph(self.model, self.views)
 
     @property
     def arena(self) -> Tensor:
@@ -168,9 +175,14 @@ class ModelRunner:
         made a batch-8 decode step of the small Qwen3-Next 16.1-16.9 -> 14.9-15.0 ms (2
         interleaved pairs; ~2,300 ops a step, so per-op overhead is most of it)."""
         self.copy_pages(c for chunk in chunks for c in chunk.allocation.restores)
+        graph = self.decode_graph if compile_enabled() else None
         batch = self.build_batch(chunks, manager, all_rows)
-        # [selected rows, vocab]; the forward also writes the snapshots (state captures)
-        logits = self.model(batch, self.views).float()
+        if graph is not None and all(_one_token(chunk) for chunk in chunks):
+            logits = graph(batch)  # a decode step (hybridkv.models.decode_graph)
+            self._copy_final_snapshots(chunks, manager)
+        else:
+            # [selected rows, vocab]; the forward also writes the snapshots (state captures)
+            logits = self.model(batch, self.views).float()
         if not all_rows:
             return StepLogits(logits, {})
         last: list[int] = []
@@ -184,6 +196,22 @@ class ModelRunner:
             last += range(at + width - verified, at + width)
             at += width
         return StepLogits(logits[last], rows)
+
+    def _copy_final_snapshots(self, chunks: list[ScheduledChunk], manager: CacheManager) -> None:
+        """The snapshots of a decode step's chunks, each taken after its one token: the live
+        state page, which the graph has just updated, copied whole into the snapshot's page
+        (what the eager forward's capture after a request's last row writes)."""
+        own = {g.group_id for g in self.groups}
+        for chunk in chunks:
+            for snap in chunk.allocation.snapshots:
+                if snap.group_id in own:
+                    live = manager.live_page(chunk.seq.seq_id, snap.group_id)
+                    self.copy_pages([StateCopy(snap.group_id, live, snap.page)])
+
+
+def _one_token(chunk: ScheduledChunk) -> bool:
+    """Whether a chunk may run the decode graph: one token, no drafts or scratch states."""
+    return chunk.num_tokens == 1 and chunk.num_draft_tokens == 0 and not chunk.allocation.scratch
 
 
 def page_tables(

@@ -131,9 +131,11 @@ def package_key(
     modules: Sequence[ModuleType],
     inputs: Sequence[Tensor],
     dynamic_first_dim: Sequence[bool],
+    extra: str = "",
 ) -> str:
     """A file name for the package of step ``name`` over ``inputs`` (the module doc says
-    what it covers)."""
+    what it covers); ``extra`` describes what else the step bakes in (a model's config
+    constants)."""
     parts = [
         f"format {FORMAT_VERSION}",
         f"torch {torch.__version__}",
@@ -144,6 +146,8 @@ def package_key(
         f"threads {torch.get_num_threads()}",
         f"sources {_source_digest(tuple(modules))}",
     ]
+    if extra:  # (absent from the other steps' keys, which it would have changed)
+        parts.append(f"extra {extra}")
     parts += [_describe(t, d) for t, d in zip(inputs, dynamic_first_dim, strict=True)]
     digest = hashlib.sha256("\n".join(parts).encode()).hexdigest()
     return f"{name}-{digest[:24]}"

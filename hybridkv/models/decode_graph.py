@@ -1,0 +1,400 @@
+"""A decode's whole model step, embeddings to logits, as one package compiled ahead of time.
+
+At decode sizes a step's model forward is bound by dispatch, not arithmetic: the tests'
+tiny Qwen3.5 runs ~240 ATen ops a decode step, each 5-10 us of dispatch and Python on this
+project's CPU, so 8 decodes took ~6 ms for a few microseconds of arithmetic. vLLM and SGLang
+replay a captured CUDA graph there; a CPU has none, but AOTInductor compiles the whole step
+to one C++ function (:mod:`hybridkv.ops.ahead_of_time`: built once per machine and model
+shape, loaded in milliseconds). Measured on the tiny Qwen3.5 (benchmarks/README.md), the
+forward of 8 decodes 6 ms -> 0.9 ms, of 64 decodes 6-9 ms -> 3-4 ms.
+
+The graph is a second form of the same forward, written from the layers' own pieces (their
+projections, weights and the GDN decode step of
+:mod:`hybridkv.ops.gated_delta_rule.mixer_decode`) for rows that decode one token: it writes
+each row's K/V and recurrent states into the same pages and returns the same logits to
+rounding (tested on a poisoned arena: it writes nothing else and reads no garbage, a
+masked key's value zeroed before its weight of 0 multiplies it). The model runner runs it
+for steps whose every chunk is a decode; a step that holds a prefill runs the eager forward
+over all its rows, where its decodes cost little more (splitting such a step cost ~1 ms of
+a second call, on the time to first token). A decode's logits so differ by rounding
+between the two kinds of step, as they already did with the batch's size: the linears' MKL
+kernels round a row differently with the number of rows (checked: one row alone and among
+three, the same weights, other bits).
+
+Only models made of pieces the graph knows run it (:func:`decode_graph_plan`): pre-norm
+decoder layers of paged full attention (RoPE, q/k norms, an output gate) or Gated DeltaNet,
+a gated MLP, RMSNorms, plain or fp32 linears and embeddings, the base LM head. Others (MoE,
+Mamba, sliding windows, packed weights, scaled embeddings) keep the eager forward, as do
+engines that run eagerly or where no package can be built. The weights are the package's
+inputs, not its constants: one package serves every checkpoint of a shape.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from hybridkv.forward.batch import ForwardBatch
+from hybridkv.forward.views import CacheViews
+from hybridkv.layers import fp32_matmul, gated_deltanet, mlp
+from hybridkv.layers.attention import PagedAttention
+from hybridkv.layers.fp32_matmul import Fp32Embedding, Fp32Linear
+from hybridkv.layers.gated_deltanet import GatedDeltaNet
+from hybridkv.layers.mlp import GatedMLP
+from hybridkv.layers.norm import RMSNorm, ZeroCenteredRMSNorm
+from hybridkv.layers.packed_linear import PackedLinear
+from hybridkv.models.base import CausalLM
+from hybridkv.models.common import PreNormDecoderLayer
+from hybridkv.ops import ahead_of_time
+from hybridkv.ops.ahead_of_time import AheadOfTimeStep
+from hybridkv.ops.gated_delta_rule import mixer_decode
+from hybridkv.ops.gated_delta_rule.mixer_decode import StepParams, StepViews
+
+logger = logging.getLogger(__name__)
+
+_NORMS = (ZeroCenteredRMSNorm, RMSNorm)
+_LINEARS = (nn.Linear, Fp32Linear)
+_EMBEDDINGS = (nn.Embedding, Fp32Embedding)
+# rows and key pages of the example batch the graph is exported on (torch specialises a
+# size of one; the package runs any size, one included)
+_EXAMPLE_ROWS = 2
+_EXAMPLE_PAGES = 2
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """How the graph runs one decoder layer: its mixer kind and cache group."""
+
+    kind: str  # "attention" | "gdn"
+    group_id: int
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """The layers of a model the graph can run, and its cache groups in input order."""
+
+    layers: tuple[LayerPlan, ...]
+    attention_groups: tuple[int, ...]
+    recurrent_groups: tuple[int, ...]
+
+
+def _plain_module(module: nn.Module) -> bool:
+    """Whether no linear under ``module`` holds a oneDNN-packed weight (an opaque layout
+    export cannot read)."""
+    return not any(isinstance(sub, PackedLinear) for sub in module.modules())
+
+
+def decode_graph_plan(model: CausalLM, views: CacheViews) -> GraphPlan | None:
+    """The graph's plan for ``model`` over ``views``, or None where a piece of the model is
+    one the graph does not know (module doc): the eager forward serves it."""
+    cls = type(model)
+    if cls.embed is not CausalLM.embed or cls.compute_logits is not CausalLM.compute_logits:
+        return None
+    stack = model.model
+    if not isinstance(stack.norm, _NORMS) or not isinstance(stack.embed_tokens, _EMBEDDINGS):
+        return None
+    if not isinstance(model.lm_head, _LINEARS):
+        return None
+    layers: list[LayerPlan] = []
+    for index, layer in enumerate(stack.layers):
+        if type(layer).forward is not PreNormDecoderLayer.forward:
+            return None
+        norms = [getattr(layer, name) for name in layer.norm_names]
+        feed_forward = getattr(layer, layer.feed_forward_name)
+        if not all(isinstance(n, _NORMS) for n in norms) or type(feed_forward) is not GatedMLP:
+            return None
+        if feed_forward.act is not F.silu:
+            return None
+        mixer = getattr(layer, layer.mixer_name)
+        if isinstance(mixer, PagedAttention):
+            view = views.attn(index)
+            cfg = mixer.cfg
+            if view.window_tokens is not None or type(mixer).forward is not PagedAttention.forward:
+                return None
+            if cfg.qk_norm is not None and not isinstance(mixer.q_norm, _NORMS):
+                return None
+            layers.append(LayerPlan("attention", view.group_id))
+        elif isinstance(mixer, GatedDeltaNet) and type(mixer).forward is GatedDeltaNet.forward:
+            layers.append(LayerPlan("gdn", views.state(index).group_id))
+        else:
+            return None
+    if not _plain_module(model):
+        return None
+    attention = tuple(dict.fromkeys(p.group_id for p in layers if p.kind == "attention"))
+    recurrent = tuple(dict.fromkeys(p.group_id for p in layers if p.kind == "gdn"))
+    return GraphPlan(tuple(layers), attention, recurrent)
+
+
+def _norm(module: nn.Module, x: Tensor) -> Tensor:
+    """``module``'s RMSNorm of ``x`` over its last dim, rounded where the module rounds."""
+    width = (x.shape[-1],)
+    if isinstance(module, ZeroCenteredRMSNorm):
+        scale = 1.0 + module.weight.float()
+        return F.rms_norm(x.float(), width, scale, module.eps).to(x.dtype)
+    assert isinstance(module, RMSNorm)
+    return module.weight * F.rms_norm(x.float(), width, None, module.eps).to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """RoPE on the first ``cos.shape[-1]`` dims of every head of ``x`` [B, H, D]."""
+    rot = cos.shape[-1]
+    half = rot // 2
+    x_rot = x[..., :rot]
+    partner = torch.cat([-x_rot[..., half:], x_rot[..., :half]], dim=-1)
+    rotated = x_rot * cos[:, None, :] + partner * sin[:, None, :]
+    return torch.cat([rotated, x[..., rot:]], dim=-1)
+
+
+def _attention(
+    mixer: PagedAttention,
+    h: Tensor,
+    positions: Tensor,
+    table: Tensor,
+    key_cache: Tensor,
+    value_cache: Tensor,
+) -> Tensor:
+    """One attention layer's output for decodes ``h`` [B, H]: this token's K/V written into
+    its page slot, then softmax attention over the request's keys in fp32."""
+    cfg, num = mixer.cfg, h.shape[0]
+    q = mixer.q_proj(h).unflatten(1, (cfg.num_heads, -1))  # [B, Hq, D or 2D]
+    gate = None
+    if cfg.output_gate:
+        q, gate = q.split(cfg.head_dim, dim=-1)
+        gate = gate.flatten(1)
+    k = mixer.k_proj(h).unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
+    v = mixer.v_proj(h).unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
+    if cfg.qk_norm is not None:
+        q, k = _norm(mixer.q_norm, q), _norm(mixer.k_norm, k)
+    if mixer.rotary is not None:
+        freqs = positions[:, None].float() * mixer.rotary.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    block = key_cache.shape[1]
+    page = table.gather(1, (positions // block)[:, None])[:, 0]
+    slot = positions % block
+    key_cache[page, slot] = k.to(key_cache.dtype)
+    value_cache[page, slot] = v.to(value_cache.dtype)
+    pages = table.clamp(min=0)  # -1 past a request's pages: masked below
+    keys = key_cache[pages].flatten(1, 2).float()  # [B, W * block, Hkv, D]
+    values = value_cache[pages].flatten(1, 2).float()
+    grouped = q.float().unflatten(1, (cfg.num_kv_heads, -1))  # [B, Hkv, rep, D]: h = g * rep + i
+    scores = torch.einsum("bgrd,blgd->bgrl", grouped, keys) * mixer.scale
+    width = torch.arange(keys.shape[1], device=h.device)
+    valid = width[None, :] <= positions[:, None]  # [B, W * block]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    # a weight of 0 times garbage (NaN in a slot never written) is NaN: zero those values
+    values = values.masked_fill(~valid[:, :, None, None], 0.0)
+    out = torch.einsum("bgrl,blgd->bgrd", weights, values).to(h.dtype).reshape(num, -1)
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return mixer.o_proj(out)
+
+
+def _gdn(
+    mixer: GatedDeltaNet, h: Tensor, pages: Tensor, fresh: Tensor, caches: tuple[Tensor, ...]
+) -> Tensor:
+    """One GDN layer's output for decodes ``h`` [B, H], through the mixer's decode step."""
+    qkv, z, b, a = mixer.project(h)
+    weights = mixer.mixer_weights()
+    eps = torch.full((), weights.norm_eps, dtype=torch.float32, device=h.device)
+    params = StepParams(weights.conv, weights.a_log, weights.dt_bias, weights.norm, eps)
+    conv, ssm, ssm_source = caches
+    gated, *_ = mixer_decode._mixer_decode_fused(
+        qkv, z, b, a, pages, fresh, StepViews(conv, ssm, ssm_source), params
+    )
+    return mixer.out_proj(gated)
+
+
+class _Step(nn.Module):
+    """The decode forward the graph is traced from (the model a submodule, whose weights
+    :class:`_Exported` swaps for its inputs)."""
+
+    def __init__(self, model: CausalLM, plan: GraphPlan) -> None:
+        super().__init__()
+        self.model = model
+        self.plan = plan
+
+    def forward(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        tables: tuple[Tensor, ...],
+        pages: tuple[Tensor, ...],
+        fresh: Tensor,
+        caches: tuple[Tensor, ...],
+    ) -> Tensor:
+        plan, stack = self.plan, self.model.model
+        table_of = dict(zip(plan.attention_groups, tables, strict=True))
+        pages_of = dict(zip(plan.recurrent_groups, pages, strict=True))
+        x = stack.embed_tokens(ids)
+        at = 0
+        for layer, layer_plan in zip(stack.layers, plan.layers, strict=True):
+            mixer_norm, ff_norm = (getattr(layer, name) for name in layer.norm_names)
+            mixer = getattr(layer, layer.mixer_name)
+            h = _norm(mixer_norm, x)
+            if layer_plan.kind == "attention":
+                key_cache, value_cache = caches[at : at + 2]
+                at += 2
+                table = table_of[layer_plan.group_id]
+                out = _attention(mixer, h, positions, table, key_cache, value_cache)
+            else:
+                own = caches[at : at + 3]
+                at += 3
+                out = _gdn(mixer, h, pages_of[layer_plan.group_id], fresh, own)
+            x = x + out
+            x = x + getattr(layer, layer.feed_forward_name)(_norm(ff_norm, x))
+        return self.model.lm_head(_norm(stack.norm, x)).float()
+
+
+class _Exported(nn.Module):
+    """:class:`_Step` over explicit weights (the package's first inputs), as
+    :func:`torch.export.export` takes it; the step is kept out of this module's tree, so
+    its weights are inputs, not constants baked into the package."""
+
+    def __init__(self, step: _Step, names: list[str]) -> None:
+        super().__init__()
+        self._step = (step,)
+        self.names = names
+
+    def forward(
+        self,
+        weights: tuple[Tensor, ...],
+        ids: Tensor,
+        positions: Tensor,
+        tables: tuple[Tensor, ...],
+        pages: tuple[Tensor, ...],
+        fresh: Tensor,
+        caches: tuple[Tensor, ...],
+    ) -> Tensor:
+        state = dict(zip(self.names, weights, strict=True))
+        args = (ids, positions, tables, pages, fresh, caches)
+        return torch.func.functional_call(self._step[0], state, args)
+
+
+def _cache_inputs(model: CausalLM, views: CacheViews, plan: GraphPlan) -> list[Tensor]:
+    """Each layer's pages as the graph takes them, in layer order: attention K and V, GDN
+    conv (read and written), SSM (written) and SSM (read). Each is an alias with its own
+    storage object over the arena's memory (mixer_decode._reading_alias): torch merges
+    mutated inputs of one storage into a synthetic base it cannot compile here."""
+    caches: list[Tensor] = []
+    for index, layer_plan in enumerate(plan.layers):
+        alias = mixer_decode._reading_alias
+        if layer_plan.kind == "attention":
+            view = views.attn(index)
+            caches += [alias(view.key, f"graph-k{index}"), alias(view.value, f"graph-v{index}")]
+        else:
+            state = views.state(index)
+            caches += [
+                alias(state["conv"], "write"),  # the decode step's own conv alias
+                alias(state["ssm"], f"graph-ssm{index}"),
+                alias(state["ssm"]),  # the decode step's read alias
+            ]
+    return caches
+
+
+def _describe_model(model: CausalLM, plan: GraphPlan) -> str:
+    """What the graph bakes in beyond shapes: the config's constants (epsilons, RoPE,
+    scales, switches) and the pieces' classes."""
+    parts = [type(model).__name__, repr(plan)]
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            parts.append(repr(module.cfg) + f" scale={module.scale!r}")
+        elif isinstance(module, GatedDeltaNet):
+            parts.append(repr(module.cfg))
+        elif isinstance(module, _NORMS):
+            parts.append(f"{type(module).__name__} eps={module.eps!r}")
+        elif isinstance(module, _LINEARS + _EMBEDDINGS):
+            parts.append(type(module).__name__)
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+class DecodeGraph:
+    """A loaded decode graph: call it with a batch of one-token rows for their logits."""
+
+    def __init__(
+        self, step: AheadOfTimeStep, plan: GraphPlan, weights: list[Tensor], caches: list[Tensor]
+    ) -> None:
+        self.step = step
+        self.plan = plan
+        self.weights = weights
+        self.caches = caches
+
+    def __call__(self, batch: ForwardBatch) -> Tensor:
+        """[B, vocab] fp32 logits of a batch whose every request decodes one token (the
+        runner's decode batch: contiguous int64 ids, positions, tables and pages)."""
+        assert batch.has_initial_state is not None
+        fresh = ~batch.has_initial_state
+        tables = [batch.block_tables[g] for g in self.plan.attention_groups]
+        pages = [batch.state_pages[g] for g in self.plan.recurrent_groups]
+        flat = (*self.weights, batch.input_ids, batch.positions, *tables, *pages, fresh)
+        return self.step(*flat, *self.caches)[0]
+
+
+def _examples(
+    plan: GraphPlan, device: torch.device
+) -> tuple[Tensor, Tensor, list[Tensor], list[Tensor], Tensor]:
+    """The example batch the graph is exported on: ids, positions, tables, pages, fresh."""
+    rows = _EXAMPLE_ROWS
+
+    def longs(*shape: int) -> Tensor:
+        return torch.zeros(shape, dtype=torch.long, device=device)
+
+    tables = [longs(rows, _EXAMPLE_PAGES) for _ in plan.attention_groups]
+    pages = [torch.arange(rows, device=device) for _ in plan.recurrent_groups]
+    fresh = torch.zeros(rows, dtype=torch.bool, device=device)
+    return longs(rows), longs(rows), tables, pages, fresh
+
+
+# what the graph's code is made of (a change to one is a new package)
+_SOURCES = (sys.modules[__name__], *mixer_decode._SOURCES, gated_deltanet, mlp, fp32_matmul)
+
+
+def load_decode_graph(model: CausalLM, views: CacheViews) -> DecodeGraph | None:
+    """The decode graph of ``model`` over ``views``, loaded (built the first time on this
+    machine, ~40-60 s), or None where the model, device or machine cannot run one."""
+    if not ahead_of_time.available() or views.arena.device.type != "cpu":
+        return None
+    plan = decode_graph_plan(model, views)
+    if plan is None:
+        return None
+    step = _Step(model, plan)
+    named = [*step.named_parameters(), *step.named_buffers()]
+    names = [name for name, _ in named]
+    weights = [t.detach() for _, t in named]
+    caches = _cache_inputs(model, views, plan)
+    ids, positions, tables, pages, fresh = _examples(plan, views.arena.device)
+    flat = [*weights, ids, positions, *tables, *pages, fresh, *caches]
+    per_step = len(tables) + len(pages) + 3
+    dynamic = [False] * len(weights) + [True] * per_step + [True] * len(caches)
+    key = ahead_of_time.package_key(
+        "decode-graph", _SOURCES, flat, dynamic, extra=_describe_model(model, plan)
+    )
+
+    def export() -> torch.export.ExportedProgram:
+        batch = torch.export.Dim("batch", min=1)
+        width = torch.export.Dim("width", min=1)
+        shapes = (
+            tuple(None for _ in weights),
+            {0: batch},
+            {0: batch},
+            tuple({0: batch, 1: width} for _ in tables),
+            tuple({0: batch} for _ in pages),
+            {0: batch},
+            tuple({0: torch.export.Dim(f"pages{i}", min=1)} for i in range(len(caches))),
+        )
+        inputs = (tuple(weights), ids, positions, tuple(tables), tuple(pages), fresh, tuple(caches))
+        with torch.no_grad():
+            return torch.export.export(_Exported(step, names), inputs, dynamic_shapes=shapes)
+
+    loaded = ahead_of_time.load_or_build(key, export, {"emulate_precision_casts": True})
+    if loaded is None:
+        return None
+    return DecodeGraph(loaded, plan, weights, caches)

@@ -1,0 +1,157 @@
+"""The whole-model decode graph (hybridkv.models.decode_graph) against the eager forward.
+
+Each test drives the tiny Qwen3.5 over a poisoned, scrambled arena (tests/models/
+paged_runner.py): requests are prefilled eagerly, then one decode step runs both ways from
+the same bytes. The graph's package is built once per machine and shape (~50 s) into the
+user's package cache, as the engine's own warm-up would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hybrid_checks import assert_close, prompt
+from paged_runner import PagedRunner
+
+from hybridkv.engine.runner import ModelRunner
+from hybridkv.models.decode_graph import DecodeGraph, decode_graph_plan, load_decode_graph
+from hybridkv.ops import ahead_of_time
+from hybridkv.ops.compiled import compile_enabled
+
+PROMPTS = {"a": prompt(21, 19), "b": prompt(22, 40), "c": prompt(23, 3)}
+
+
+@pytest.fixture
+def loaded(get_tiny: Any) -> tuple[PagedRunner, DecodeGraph]:
+    """A runner with three prefilled requests, and the decode graph over its arena."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here (the eager forward serves every decode)")
+    _, lm = get_tiny("qwen3_5_text")
+    runner = PagedRunner(lm.model, lm.spec, seed=5)
+    graph = load_decode_graph(lm.model, runner.views)
+    assert graph is not None
+    with torch.inference_mode():
+        for req_id, ids in PROMPTS.items():
+            runner.step([(req_id, ids)])
+    return runner, graph
+
+
+def _decode(runner: PagedRunner, graph: DecodeGraph | None, work: list[str]) -> torch.Tensor:
+    """One decode step of requests ``work`` (token 7 each): eager, or through ``graph``."""
+    with torch.inference_mode():
+        batch = runner.build_batch([(req_id, [7]) for req_id in work], all_logits=False)
+        logits = runner.model(batch, runner.views) if graph is None else graph(batch)
+    for req_id in work:
+        runner.reqs[req_id].num_computed += 1
+    return logits
+
+
+def _views(runner: PagedRunner) -> list[torch.Tensor]:
+    """Every layer's pages as floats (a copy)."""
+    out: list[torch.Tensor] = []
+    for key in sorted(runner.views._views):
+        view = runner.views[key]
+        tensors = [view.key, view.value] if key[1] == "attn" else list(view.tensors.values())
+        out += [t.float().clone() for t in tensors]
+    return out
+
+
+def test_the_graph_decodes_as_the_eager_forward(loaded: tuple[PagedRunner, DecodeGraph]) -> None:
+    """Same logits and the same pages written (to rounding), and nothing else written: the
+    arena's NaN poison stays exactly where the eager step leaves it."""
+    runner, graph = loaded
+    before = runner.views.arena.clone()
+    computed = {r: q.num_computed for r, q in runner.reqs.items()}
+    eager = _decode(runner, None, ["a", "b", "c"])
+    eager_pages = _views(runner)
+    runner.views.arena.copy_(before)
+    for req_id, n in computed.items():
+        runner.reqs[req_id].num_computed = n
+    got = _decode(runner, graph, ["a", "b", "c"])
+    assert torch.isfinite(got).all()
+    assert_close(got, eager)
+    for mine, theirs in zip(_views(runner), eager_pages, strict=True):
+        assert torch.equal(mine.isnan(), theirs.isnan())
+        torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
+def test_a_row_alone_and_in_a_batch_agree(loaded: tuple[PagedRunner, DecodeGraph]) -> None:
+    """Request a alone and beside longer and shorter requests (wider key tables, masked
+    columns): the same logits and pages to rounding, the same greedy token."""
+    runner, graph = loaded
+    before = runner.views.arena.clone()
+    computed = {r: q.num_computed for r, q in runner.reqs.items()}
+    alone = _decode(runner, graph, ["a"])
+    alone_arena = runner.views.arena.clone()
+    runner.views.arena.copy_(before)
+    for req_id, n in computed.items():
+        runner.reqs[req_id].num_computed = n
+    together = _decode(runner, graph, ["b", "a", "c"])
+    assert_close(together[1:2], alone)
+    assert int(together[1].argmax()) == int(alone[0].argmax())
+    a = runner.reqs["a"]
+    for key in sorted(runner.views._views):  # a's own pages, in both arenas
+        view = runner.views[key]
+        if key[1] == "attn":
+            pages = torch.tensor(a.blocks[view.group_id])
+            tensors = [view.key, view.value]
+        else:
+            pages = torch.tensor([a.state_page[view.group_id]])
+            tensors = list(view.tensors.values())
+        for tensor in tensors:
+            mine, theirs = tensor[pages], _same_view(tensor, alone_arena)[pages]
+            torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4, equal_nan=True)
+
+
+def _same_view(view: torch.Tensor, arena: torch.Tensor) -> torch.Tensor:
+    """``view``'s strides and offset over another arena of the same layout."""
+    flat = arena.view(view.dtype)
+    return flat.as_strided(view.shape, view.stride(), view.storage_offset())
+
+
+def test_a_lone_decode_and_a_fresh_one_run_the_graph(
+    loaded: tuple[PagedRunner, DecodeGraph],
+) -> None:
+    """A batch of one row, and a request whose first token is a decode (a fresh state page
+    full of NaN: started from zeros, never multiplied), equal the eager forward."""
+    runner, graph = loaded
+    before = runner.views.arena.clone()
+    eager = _decode(runner, None, ["fresh"])
+    runner.views.arena.copy_(before)
+    runner.reqs["fresh"].num_computed = 0
+    got = _decode(runner, graph, ["fresh"])
+    assert torch.isfinite(got).all()
+    assert_close(got, eager)
+
+
+def test_models_the_graph_does_not_know_keep_the_eager_forward(get_tiny: Any) -> None:
+    """MoE (Qwen3-Next's tiny model has sparse layers) and Mamba2 layers: no plan."""
+    for model_type in ("qwen3_next", "qwen3_5_moe_text"):
+        _, lm = get_tiny(model_type)
+        runner = PagedRunner(lm.model, lm.spec)
+        assert decode_graph_plan(lm.model, runner.views) is None
+    _, lm = get_tiny("qwen3_5_text")
+    plan = decode_graph_plan(lm.model, PagedRunner(lm.model, lm.spec).views)
+    assert plan is not None
+    assert [p.kind for p in plan.layers] == ["gdn", "attention", "gdn", "attention"]
+
+
+def test_the_engine_runs_decodes_through_the_graph_and_eagerly_when_asked(
+    get_tiny: Any,
+) -> None:
+    """A runner loads the graph at warm-up where packages are on, and none while compiling
+    is off (``enforce_eager``)."""
+    if not ahead_of_time.available():
+        pytest.skip("packages are off here")
+    from hybridkv.ops.compiled import running_eagerly
+
+    _, lm = get_tiny("qwen3_5_text")
+    layout = PagedRunner(lm.model, lm.spec).layout
+    runner = ModelRunner(lm.model, lm.spec, layout, torch.device("cpu"))
+    with running_eagerly():
+        runner.warm_up_compiled()
+    assert runner.decode_graph is None
+    runner.warm_up_compiled()
+    assert runner.decode_graph is not None
