@@ -8,7 +8,10 @@ before the forward. Snapshots are taken inside the forward (issue 12): each
 ``Allocation.snapshots`` entry (the state after exactly ``position`` tokens) becomes a
 capture request to the group's recurrent ops (``ForwardBatch.state_captures``: the row of
 the step's flat token axis after which the state is wanted, and the page to write it to),
-so a snapshot inside a prefill chunk costs a copy, not a step of its own.
+so a snapshot inside a prefill chunk costs a copy, not a step of its own. A step of
+decodes alone runs the model's decode graph where it has one (hybridkv.models.
+decode_graph), whose snapshots, each after its request's one token, are the live state
+page copied whole once the graph has run.
 """
 
 from __future__ import annotations

@@ -6,15 +6,19 @@ project's CPU, so 8 decodes took ~6 ms for a few microseconds of arithmetic. vLL
 replay a captured CUDA graph there; a CPU has none, but AOTInductor compiles the whole step
 to one C++ function (:mod:`hybridkv.ops.ahead_of_time`: built once per machine and model
 shape, loaded in milliseconds). Measured on the tiny Qwen3.5 (benchmarks/README.md), the
-forward of 8 decodes 6 ms -> 0.9 ms, of 64 decodes 6-9 ms -> 3-4 ms.
+forward of 8 decodes 5.2 -> 1.0 ms, of 64 decodes 8.6 -> 4.4 ms; a whole engine step of 8
+decodes 0.26x of its eager time, of 64 decodes 0.63x.
 
 The graph is a second form of the same forward, written from the layers' own pieces (their
 projections, weights and the GDN decode step of
 :mod:`hybridkv.ops.gated_delta_rule.mixer_decode`) for rows that decode one token: it writes
 each row's K/V and recurrent states into the same pages and returns the same logits to
 rounding (tested on a poisoned arena: it writes nothing else and reads no garbage, a
-masked key's value zeroed before its weight of 0 multiplies it). The model runner runs it
-for steps whose every chunk is a decode; a step that holds a prefill runs the eager forward
+masked key's value zeroed before its weight of 0 multiplies it). Its attention keeps the
+scores and probabilities in fp32, where the eager bf16 path on a CPU with native bf16
+matmuls rounds both to bf16 as transformers does (this project's CPU has none, so that
+path is untested here). The model runner runs it for steps whose every chunk is one token
+(a decode, or a one-token prompt); a step that holds a prefill runs the eager forward
 over all its rows, where its decodes cost little more (splitting such a step cost ~1 ms of
 a second call, on the time to first token). A decode's logits so differ by rounding
 between the two kinds of step, as they already did with the batch's size: the linears' MKL
@@ -45,11 +49,16 @@ from hybridkv.forward.views import CacheViews
 from hybridkv.layers import fp32_matmul, gated_deltanet, mlp
 from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.fp32_matmul import Fp32Embedding, Fp32Linear
-from hybridkv.layers.gated_deltanet import GatedDeltaNet
+from hybridkv.layers.gated_deltanet import (
+    GatedDeltaNet,
+    Qwen3NextGatedDeltaNet,
+    Qwen35GatedDeltaNet,
+)
 from hybridkv.layers.mlp import GatedMLP
 from hybridkv.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from hybridkv.layers.packed_linear import PackedLinear
-from hybridkv.models.base import CausalLM
+from hybridkv.layers.rope import RotaryEmbedding
+from hybridkv.models.base import CausalLM, DecoderStack
 from hybridkv.models.common import PreNormDecoderLayer
 from hybridkv.ops import ahead_of_time
 from hybridkv.ops.ahead_of_time import AheadOfTimeStep
@@ -58,9 +67,13 @@ from hybridkv.ops.gated_delta_rule.mixer_decode import StepParams, StepViews
 
 logger = logging.getLogger(__name__)
 
+# the exact classes the graph computes (a subclass may compute otherwise)
 _NORMS = (ZeroCenteredRMSNorm, RMSNorm)
 _LINEARS = (nn.Linear, Fp32Linear)
 _EMBEDDINGS = (nn.Embedding, Fp32Embedding)
+_GDN_MIXERS = (Qwen35GatedDeltaNet, Qwen3NextGatedDeltaNet)
+# the model's methods the graph stands for: an architecture that overrides one is not it
+_BASE_METHODS = ("forward", "embed", "compute_logits")
 # rows and key pages of the example batch the graph is exported on (torch specialises a
 # size of one; the package runs any size, one included)
 _EXAMPLE_ROWS = 2
@@ -84,6 +97,14 @@ class GraphPlan:
     recurrent_groups: tuple[int, ...]
 
 
+def _plain_attention(mixer: PagedAttention) -> bool:
+    """Whether ``mixer``'s pieces are the ones the graph computes: its q/k norms of a known
+    class and plain RoPE (a subclass may round or rotate otherwise)."""
+    norms = (mixer.q_norm, mixer.k_norm) if mixer.cfg.qk_norm is not None else ()
+    rotary_ok = mixer.rotary is None or type(mixer.rotary) is RotaryEmbedding
+    return rotary_ok and all(type(n) in _NORMS for n in norms)
+
+
 def _plain_module(module: nn.Module) -> bool:
     """Whether no linear under ``module`` holds a oneDNN-packed weight (an opaque layout
     export cannot read)."""
@@ -94,12 +115,12 @@ def decode_graph_plan(model: CausalLM, views: CacheViews) -> GraphPlan | None:
     """The graph's plan for ``model`` over ``views``, or None where a piece of the model is
     one the graph does not know (module doc): the eager forward serves it."""
     cls = type(model)
-    if cls.embed is not CausalLM.embed or cls.compute_logits is not CausalLM.compute_logits:
+    if any(getattr(cls, name) is not getattr(CausalLM, name) for name in _BASE_METHODS):
         return None
     stack = model.model
-    if not isinstance(stack.norm, _NORMS) or not isinstance(stack.embed_tokens, _EMBEDDINGS):
+    if type(stack) is not DecoderStack or type(stack.norm) not in _NORMS:
         return None
-    if not isinstance(model.lm_head, _LINEARS):
+    if type(stack.embed_tokens) not in _EMBEDDINGS or type(model.lm_head) not in _LINEARS:
         return None
     layers: list[LayerPlan] = []
     for index, layer in enumerate(stack.layers):
@@ -107,20 +128,17 @@ def decode_graph_plan(model: CausalLM, views: CacheViews) -> GraphPlan | None:
             return None
         norms = [getattr(layer, name) for name in layer.norm_names]
         feed_forward = getattr(layer, layer.feed_forward_name)
-        if not all(isinstance(n, _NORMS) for n in norms) or type(feed_forward) is not GatedMLP:
+        if any(type(n) not in _NORMS for n in norms) or type(feed_forward) is not GatedMLP:
             return None
         if feed_forward.act is not F.silu:
             return None
         mixer = getattr(layer, layer.mixer_name)
-        if isinstance(mixer, PagedAttention):
+        if type(mixer) is PagedAttention:
             view = views.attn(index)
-            cfg = mixer.cfg
-            if view.window_tokens is not None or type(mixer).forward is not PagedAttention.forward:
-                return None
-            if cfg.qk_norm is not None and not isinstance(mixer.q_norm, _NORMS):
+            if view.window_tokens is not None or not _plain_attention(mixer):
                 return None
             layers.append(LayerPlan("attention", view.group_id))
-        elif isinstance(mixer, GatedDeltaNet) and type(mixer).forward is GatedDeltaNet.forward:
+        elif type(mixer) in _GDN_MIXERS:
             layers.append(LayerPlan("gdn", views.state(index).group_id))
         else:
             return None

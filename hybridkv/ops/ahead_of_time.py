@@ -12,7 +12,8 @@ on, and every later process loads it.
 The key covers: this format's version, torch's version, the CPU's vector ISA, model and
 feature flags (inductor builds for the building CPU), the machine, the environment that
 changes what inductor builds, the number of torch threads (inductor writes it into the
-code), the sources of the modules the step is made of, and each input's dtype, device,
+code), the sources of the modules the step is made of, what else the step bakes in when
+its caller describes it (a model's config constants), and each input's dtype, device,
 static sizes and strides. A package is written to a temporary name and renamed, so two
 processes building the same one never see half of it; a failure leaves a marker file.
 The directory is ``$HYBRIDKV_AOT_CACHE`` or ``~/.cache/hybridkv/aot`` (``$XDG_CACHE_HOME``

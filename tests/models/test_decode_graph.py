@@ -8,17 +8,22 @@ user's package cache, as the engine's own warm-up would.
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from hybrid_checks import assert_close, prompt
 from paged_runner import PagedRunner
+from tiny import hf_greedy, save_checkpoint
 
+from hybridkv.engine import EngineConfig, LLMEngine
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.models.decode_graph import DecodeGraph, decode_graph_plan, load_decode_graph
 from hybridkv.ops import ahead_of_time
 from hybridkv.ops.compiled import compile_enabled
+from hybridkv.sched.sampling_params import SamplingParams
 
 PROMPTS = {"a": prompt(21, 19), "b": prompt(22, 40), "c": prompt(23, 3)}
 
@@ -136,6 +141,64 @@ def test_models_the_graph_does_not_know_keep_the_eager_forward(get_tiny: Any) ->
     plan = decode_graph_plan(lm.model, PagedRunner(lm.model, lm.spec).views)
     assert plan is not None
     assert [p.kind for p in plan.layers] == ["gdn", "attention", "gdn", "attention"]
+
+
+def test_subclasses_that_may_compute_otherwise_keep_the_eager_forward(get_tiny: Any) -> None:
+    """The plan checks exact classes: a subclass of an attention layer, of a norm or of the
+    RoPE tables may round or rotate otherwise than the graph does."""
+    _, lm = get_tiny("qwen3_5_text")
+    views = PagedRunner(lm.model, lm.spec).views
+    attention = lm.model.model.layers[1].self_attn
+    for module in (attention, attention.q_norm, attention.rotary, lm.model.model.norm):
+        model = copy.deepcopy(lm.model)
+        twin = model.get_submodule(_name_in(lm.model, module))
+        twin.__class__ = type("Subclass", (type(module),), {})
+        assert decode_graph_plan(model, views) is None
+
+
+def _name_in(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    return next(name for name, sub in model.named_modules() if sub is module)
+
+
+def test_an_engine_decodes_through_the_graph_and_snapshots_after_it(
+    tmp_path: Path, get_tiny: Any
+) -> None:
+    """Caching on, a follow-up turn hits the state its previous turn left after its last
+    decode (a snapshot the runner copies after the graph), and every reply equals caching
+    off's and transformers' greedy tokens."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here")
+    hf, _ = get_tiny("qwen3_5_text")
+    path = save_checkpoint(hf, tmp_path / "ckpt")
+    options = {"model": str(path), "cache_memory_gib": 0.02, "max_model_len": 256}
+    on, off = (
+        LLMEngine(EngineConfig(**options)),
+        LLMEngine(EngineConfig(enable_prefix_caching=False, **options)),
+    )
+    assert on.runner.decode_graph is not None
+    first = prompt(31, 40)
+    replies, cached = [], []
+    for engine in (on, off):
+        reply, _ = _generate(engine, "t1", first)
+        follow_up = first + reply + prompt(32, 9)
+        reply2, hit2 = _generate(engine, "t2", follow_up)
+        replies.append((reply, reply2))
+        cached.append(hit2)
+    assert replies[0] == replies[1]
+    assert replies[0][0] == hf_greedy(hf, first, 16)[0]
+    assert replies[0][1] == hf_greedy(hf, first + replies[0][0] + prompt(32, 9), 16)[0]
+    assert cached[0] > len(first) and cached[1] == 0
+    assert on.runner.decode_graph.step.num_calls > 0
+
+
+def _generate(engine: LLMEngine, request_id: str, ids: list[int]) -> tuple[list[int], int]:
+    """(16 greedy tokens, prompt tokens served from the cache)."""
+    engine.add_request(request_id, ids, SamplingParams(max_tokens=16, temperature=0))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return list(out.outputs[0].token_ids), out.num_cached_tokens
+    raise AssertionError("no output")
 
 
 def test_the_engine_runs_decodes_through_the_graph_and_eagerly_when_asked(

@@ -11,16 +11,17 @@ of issue 13 (6 GDN layers of 1,024 conv channels, 8 value heads of 64 x 64, bf16
 less per decode step at 8 requests and 1.8% at 64; the tests' tiny Qwen3.5 (fp32) 9% and
 0.6% (benchmarks/README.md).
 
-Every decode of every step runs here, the decode rows of mixed steps as well as
-decode-only steps, so a generated token's result does not depend on what shares its step:
-caching on and off put requests in different steps and must agree exactly. That holds
-for the compiled form (tested: a row alone, in a batch, among a mixed step's rows, the
-same bits); the eager form (``enforce_eager``, no compiler, other devices) is the layer's
-former ops, whose ATen kernels can round a row differently with the batch's size, as
-before. Three things make the graph fast and single: the page views are marked static, so
-head sizes compile as constants (with every size symbolic the same graph ran 2-3x
-slower); the batch size is unbacked, so a lone decode runs the same graph; and q, k, v
-are returned beside the result, so inductor computes them once (see the fused form).
+Every decode of every eager forward runs here, the decode rows of mixed steps as well as
+decode-only steps (a model with a decode graph runs its decode-only steps there instead,
+this step inlined in a larger compiled graph: hybridkv.models.decode_graph), and its
+result does not depend on what shares its step (tested for the compiled form: a row
+alone, in a batch, among a mixed step's rows, the same bits); the eager form
+(``enforce_eager``, no compiler, other devices) is the layer's former ops, whose ATen
+kernels can round a row differently with the batch's size, as before. Three things make
+the graph fast and single: the page views are marked static, so head sizes compile as
+constants (with every size symbolic the same graph ran 2-3x slower); the batch size is
+unbacked, so a lone decode runs the same graph; and q, k, v are returned beside the
+result, so inductor computes them once (see the fused form).
 
 The warm-up first loads the step compiled ahead of time for its page layout
 (:mod:`hybridkv.ops.ahead_of_time`: a package built once per machine and layout, loaded
