@@ -205,11 +205,12 @@ class ModelRunner:
         state page, which the graph has just updated, copied whole into the snapshot's page
         (what the eager forward's capture after a request's last row writes)."""
         own = {g.group_id for g in self.groups}
-        for chunk in chunks:
-            for snap in chunk.allocation.snapshots:
-                if snap.group_id in own:
-                    live = manager.live_page(chunk.seq.seq_id, snap.group_id)
-                    self.copy_pages([StateCopy(snap.group_id, live, snap.page)])
+        self.copy_pages(
+            StateCopy(snap.group_id, manager.live_page(chunk.seq.seq_id, snap.group_id), snap.page)
+            for chunk in chunks
+            for snap in chunk.allocation.snapshots
+            if snap.group_id in own
+        )
 
 
 def _one_token(chunk: ScheduledChunk) -> bool:

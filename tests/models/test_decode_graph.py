@@ -9,6 +9,7 @@ user's package cache, as the engine's own warm-up would.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,20 @@ def _decode(runner: PagedRunner, graph: DecodeGraph | None, work: list[str]) -> 
     return logits
 
 
+def _rewinder(runner: PagedRunner) -> Callable[[], None]:
+    """A function that puts the arena's bytes and every request's computed tokens back as
+    they are now (a request it did not know had computed none)."""
+    arena = runner.views.arena.clone()
+    computed = {req_id: req.num_computed for req_id, req in runner.reqs.items()}
+
+    def rewind() -> None:
+        runner.views.arena.copy_(arena)
+        for req_id, req in runner.reqs.items():
+            req.num_computed = computed.get(req_id, 0)
+
+    return rewind
+
+
 def _views(runner: PagedRunner) -> list[torch.Tensor]:
     """Every layer's pages as floats (a copy)."""
     out: list[torch.Tensor] = []
@@ -67,13 +82,10 @@ def test_the_graph_decodes_as_the_eager_forward(loaded: tuple[PagedRunner, Decod
     """Same logits and the same pages written (to rounding), and nothing else written: the
     arena's NaN poison stays exactly where the eager step leaves it."""
     runner, graph = loaded
-    before = runner.views.arena.clone()
-    computed = {r: q.num_computed for r, q in runner.reqs.items()}
+    rewind = _rewinder(runner)
     eager = _decode(runner, None, ["a", "b", "c"])
     eager_pages = _views(runner)
-    runner.views.arena.copy_(before)
-    for req_id, n in computed.items():
-        runner.reqs[req_id].num_computed = n
+    rewind()
     got = _decode(runner, graph, ["a", "b", "c"])
     assert torch.isfinite(got).all()
     assert_close(got, eager)
@@ -86,13 +98,10 @@ def test_a_row_alone_and_in_a_batch_agree(loaded: tuple[PagedRunner, DecodeGraph
     """Request a alone and beside longer and shorter requests (wider key tables, masked
     columns): the same logits and pages to rounding, the same greedy token."""
     runner, graph = loaded
-    before = runner.views.arena.clone()
-    computed = {r: q.num_computed for r, q in runner.reqs.items()}
+    rewind = _rewinder(runner)
     alone = _decode(runner, graph, ["a"])
     alone_arena = runner.views.arena.clone()
-    runner.views.arena.copy_(before)
-    for req_id, n in computed.items():
-        runner.reqs[req_id].num_computed = n
+    rewind()
     together = _decode(runner, graph, ["b", "a", "c"])
     assert_close(together[1:2], alone)
     assert int(together[1].argmax()) == int(alone[0].argmax())
@@ -122,17 +131,17 @@ def test_a_lone_decode_and_a_fresh_one_run_the_graph(
     """A batch of one row, and a request whose first token is a decode (a fresh state page
     full of NaN: started from zeros, never multiplied), equal the eager forward."""
     runner, graph = loaded
-    before = runner.views.arena.clone()
+    rewind = _rewinder(runner)
     eager = _decode(runner, None, ["fresh"])
-    runner.views.arena.copy_(before)
-    runner.reqs["fresh"].num_computed = 0
+    rewind()
     got = _decode(runner, graph, ["fresh"])
     assert torch.isfinite(got).all()
     assert_close(got, eager)
 
 
 def test_models_the_graph_does_not_know_keep_the_eager_forward(get_tiny: Any) -> None:
-    """MoE (Qwen3-Next's tiny model has sparse layers) and Mamba2 layers: no plan."""
+    """MoE layers (Qwen3-Next's tiny model has sparse ones, Qwen3.5-MoE's are all sparse):
+    no plan; the dense Qwen3.5's layers are planned in order."""
     for model_type in ("qwen3_next", "qwen3_5_moe_text"):
         _, lm = get_tiny(model_type)
         runner = PagedRunner(lm.model, lm.spec)
