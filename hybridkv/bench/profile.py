@@ -2,9 +2,12 @@
 
 Runs a workload under ``torch.profiler`` with one named range per module call (forward
 hooks on every module of the model but the containers, named by class) and per engine
-stage (the step, scheduling, batch building, page copies), then prints two tables: ops
-by self CPU time, and modules and stages by total CPU time (a module's total includes the
-modules inside it). Optionally writes a Chrome trace (``chrome://tracing`` or Perfetto).
+stage (the step, scheduling, batch building, page copies, the model's decode and prefill
+graphs), then prints two tables: ops by self CPU time, and modules and stages by total CPU
+time (a module's total includes the modules inside it). A step that runs the model's
+graphs (hybridkv.models.decode_graph, prefill_graph) runs no module: its model time is the
+graph's stage, one compiled call. Optionally writes a Chrome trace (``chrome://tracing``
+or Perfetto).
 """
 
 from __future__ import annotations
@@ -98,6 +101,10 @@ def profiled(engine: LLMEngine, trace_path: str | None = None) -> Iterator[list[
         _wrap(engine.runner, "build_batch", STAGE_PREFIX + "runner.build_batch"),
         _wrap(engine.runner, "copy_pages", STAGE_PREFIX + "runner.copy_pages"),
     ]
+    for graph in ("decode_graph", "prefill_graph"):
+        loaded = getattr(engine.runner, graph)
+        if loaded is not None:
+            undo.append(_wrap(loaded, "run", f"{STAGE_PREFIX}runner.{graph}"))
     try:
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             yield result

@@ -8,10 +8,15 @@ before the forward. Snapshots are taken inside the forward (issue 12): each
 ``Allocation.snapshots`` entry (the state after exactly ``position`` tokens) becomes a
 capture request to the group's recurrent ops (``ForwardBatch.state_captures``: the row of
 the step's flat token axis after which the state is wanted, and the page to write it to),
-so a snapshot inside a prefill chunk costs a copy, not a step of its own. A step of
-decodes alone runs the model's decode graph where it has one (hybridkv.models.
-decode_graph), whose snapshots, each after its request's one token, are the live state
-page copied whole once the graph has run.
+so a snapshot inside a prefill chunk costs a copy, not a step of its own.
+
+Where the model has them (loaded at warm-up), a step whose chunks all are decodes or
+prefill chunks of at most ``prefill_graph.MAX_TOKENS`` tokens runs no eager forward: its
+decodes go through the decode graph (hybridkv.models.decode_graph), whose snapshots, each
+after its request's one token, are the live state page copied whole once the graph has
+run, and its prefill chunks through the prefill graph (hybridkv.models.prefill_graph),
+which takes their snapshots inside. Any other step (a longer chunk, drafts, prompt
+log-probabilities) runs the eager forward over all its rows.
 """
 
 from __future__ import annotations
@@ -28,8 +33,10 @@ from hybridkv.core.manager import CacheManager, StateCopy
 from hybridkv.core.spec import GroupSpec, ModelSpec
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
+from hybridkv.models import prefill_graph
 from hybridkv.models.base import CausalLM
 from hybridkv.models.decode_graph import DecodeGraph, load_decode_graph
+from hybridkv.models.prefill_graph import PrefillGraph, load_prefill_graph
 from hybridkv.ops.compiled import compile_enabled
 from hybridkv.ops.host_tensors import long_matrix, long_tensor
 from hybridkv.ops.paged_state import StateCaptures
@@ -82,15 +89,19 @@ class ModelRunner:
         self.views = CacheViews(spec, layout, arena)
         self.groups = [g for g in spec.groups if not g.is_draft]  # the draft runs elsewhere
         self.num_page_copies = 0
-        # every one-token row's forward, where the model has one (loaded at warm-up)
+        # the forward of one-token rows and of short prefill chunks, where the model has
+        # them (loaded at warm-up; the prefill graph only beside a decode graph)
         self.decode_graph: DecodeGraph | None = None
+        self.prefill_graph: PrefillGraph | None = None
 
     def warm_up_compiled(self) -> None:
-        """Compile the model's compiled ops, and load its decode graph, for this cache's
-        layout before serving."""
+        """Compile the model's compiled ops, and load its decode and prefill graphs, for
+        this cache's layout before serving."""
         warm_up_compiled(self.model, self.views)
         if compile_enabled():
             self.decode_graph = load_decode_graph(self.model, self.views)
+            if self.decode_graph is not None:
+                self.prefill_graph = load_prefill_graph(self.model, self.views)
 
     @property
     def arena(self) -> Tensor:
@@ -178,14 +189,11 @@ class ModelRunner:
         made a batch-8 decode step of the small Qwen3-Next 16.1-16.9 -> 14.9-15.0 ms (2
         interleaved pairs; ~2,300 ops a step, so per-op overhead is most of it)."""
         self.copy_pages(c for chunk in chunks for c in chunk.allocation.restores)
-        graph = self.decode_graph if compile_enabled() else None
-        batch = self.build_batch(chunks, manager, all_rows)
-        if graph is not None and all(_one_token(chunk) for chunk in chunks):
-            logits = graph(batch)  # a decode step (hybridkv.models.decode_graph)
-            self._copy_final_snapshots(chunks, manager)
-        else:
-            # [selected rows, vocab]; the forward also writes the snapshots (state captures)
-            logits = self.model(batch, self.views).float()
+        logits = None if all_rows else self._run_graphs(chunks, manager)
+        if logits is not None:
+            return StepLogits(logits, {})
+        # [selected rows, vocab]; the forward also writes the snapshots (state captures)
+        logits = self.model(self.build_batch(chunks, manager, all_rows), self.views).float()
         if not all_rows:
             return StepLogits(logits, {})
         last: list[int] = []
@@ -199,6 +207,38 @@ class ModelRunner:
             last += range(at + width - verified, at + width)
             at += width
         return StepLogits(logits[last], rows)
+
+    def _run_graphs(self, chunks: list[ScheduledChunk], manager: CacheManager) -> Tensor | None:
+        """The step's logits [chunks, vocab] from the model's graphs (module doc), or None
+        where one of its chunks needs the eager forward (or compiling is off)."""
+        graph = self.decode_graph if compile_enabled() else None
+        if graph is None:
+            return None
+        decodes: list[int] = []
+        prefills: list[int] = []
+        for i, chunk in enumerate(chunks):
+            if _one_token(chunk):
+                decodes.append(i)
+            elif self.prefill_graph is not None and _short_prefill(chunk):
+                prefills.append(i)
+            else:
+                return None
+        if not prefills:  # a decode step
+            logits = graph(self.build_batch(chunks, manager))
+            self._copy_final_snapshots(chunks, manager)
+            return logits
+        assert self.prefill_graph is not None
+        prefill_chunks = [chunks[i] for i in prefills]
+        from_prefills = self.prefill_graph(self.build_batch(prefill_chunks, manager))
+        if not decodes:
+            return from_prefills
+        decode_chunks = [chunks[i] for i in decodes]
+        from_decodes = graph(self.build_batch(decode_chunks, manager))
+        self._copy_final_snapshots(decode_chunks, manager)
+        logits = from_prefills.new_empty(len(chunks), from_prefills.shape[1])
+        logits[long_tensor(prefills, self.device)] = from_prefills
+        logits[long_tensor(decodes, self.device)] = from_decodes
+        return logits
 
     def _copy_final_snapshots(self, chunks: list[ScheduledChunk], manager: CacheManager) -> None:
         """The snapshots of a decode step's chunks, each taken after its one token: the live
@@ -216,6 +256,15 @@ class ModelRunner:
 def _one_token(chunk: ScheduledChunk) -> bool:
     """Whether a chunk may run the decode graph: one token, no drafts or scratch states."""
     return chunk.num_tokens == 1 and chunk.num_draft_tokens == 0 and not chunk.allocation.scratch
+
+
+def _short_prefill(chunk: ScheduledChunk) -> bool:
+    """Whether a chunk may run the prefill graph: at most its tokens, no drafts or scratch."""
+    return (
+        chunk.num_tokens <= prefill_graph.MAX_TOKENS
+        and chunk.num_draft_tokens == 0
+        and not chunk.allocation.scratch
+    )
 
 
 def page_tables(

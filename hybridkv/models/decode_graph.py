@@ -17,13 +17,14 @@ rounding (tested on a poisoned arena: it writes nothing else and reads no garbag
 masked key's value zeroed before its weight of 0 multiplies it). Its attention keeps the
 scores and probabilities in fp32, where the eager bf16 path on a CPU with native bf16
 matmuls rounds both to bf16 as transformers does (this project's CPU has none, so that
-path is untested here). The model runner runs it for steps whose every chunk is one token
-(a decode, or a one-token prompt); a step that holds a prefill runs the eager forward
-over all its rows, where its decodes cost little more (splitting such a step cost ~1 ms of
-a second call, on the time to first token). A decode's logits so differ by rounding
-between the two kinds of step, as they already did with the batch's size: the linears' MKL
-kernels round a row differently with the number of rows (checked: one row alone and among
-three, the same weights, other bits).
+path is untested here). The model runner runs it for the one-token chunks (decodes, or
+one-token prompts) of steps whose other chunks are short prefills, which the prefill
+graph runs (:mod:`hybridkv.models.prefill_graph`, built from this module's pieces:
+:func:`attention_inputs`, :func:`through_layers`, :func:`load_graph_package`); a step
+that holds a longer prefill runs the eager forward over all its rows. A decode's logits
+so differ by rounding between the two kinds of step, as they already did with the batch's
+size: the linears' MKL kernels round a row differently with the number of rows (checked:
+one row alone and among three, the same weights, other bits).
 
 Only models made of pieces the graph knows run it (:func:`decode_graph_plan`): pre-norm
 decoder layers of paged full attention (RoPE, q/k norms, an output gate) or Gated DeltaNet,
@@ -36,9 +37,10 @@ inputs, not its constants: one package serves every checkpoint of a shape.
 from __future__ import annotations
 
 import hashlib
-import logging
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -64,8 +66,6 @@ from hybridkv.ops import ahead_of_time
 from hybridkv.ops.ahead_of_time import AheadOfTimeStep
 from hybridkv.ops.gated_delta_rule import mixer_decode
 from hybridkv.ops.gated_delta_rule.mixer_decode import StepParams, StepViews
-
-logger = logging.getLogger(__name__)
 
 # the exact classes the graph computes (a subclass may compute otherwise)
 _NORMS = (ZeroCenteredRMSNorm, RMSNorm)
@@ -149,7 +149,7 @@ def decode_graph_plan(model: CausalLM, views: CacheViews) -> GraphPlan | None:
     return GraphPlan(tuple(layers), attention, recurrent)
 
 
-def _norm(module: nn.Module, x: Tensor) -> Tensor:
+def norm(module: nn.Module, x: Tensor) -> Tensor:
     """``module``'s RMSNorm of ``x`` over its last dim, rounded where the module rounds."""
     width = (x.shape[-1],)
     if isinstance(module, ZeroCenteredRMSNorm):
@@ -169,6 +169,29 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([rotated, x[..., rot:]], dim=-1)
 
 
+def attention_inputs(
+    mixer: PagedAttention, h: Tensor, positions: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """(q [T, Hq, D], k, v [T, Hkv, D], the output gate [T, Hq * D] or None) of rows ``h``
+    [T, H] at ``positions`` [T]: the layer's projections, q/k norms and RoPE."""
+    cfg = mixer.cfg
+    q = mixer.q_proj(h).unflatten(1, (cfg.num_heads, -1))  # [T, Hq, D or 2D]
+    gate = None
+    if cfg.output_gate:
+        q, gate = q.split(cfg.head_dim, dim=-1)
+        gate = gate.flatten(1)
+    k = mixer.k_proj(h).unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
+    v = mixer.v_proj(h).unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
+    if cfg.qk_norm is not None:
+        q, k = norm(mixer.q_norm, q), norm(mixer.k_norm, k)
+    if mixer.rotary is not None:
+        freqs = positions[:, None].float() * mixer.rotary.inv_freq[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)
+        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return q, k, v, gate
+
+
 def _attention(
     mixer: PagedAttention,
     h: Tensor,
@@ -180,20 +203,7 @@ def _attention(
     """One attention layer's output for decodes ``h`` [B, H]: this token's K/V written into
     its page slot, then softmax attention over the request's keys in fp32."""
     cfg, num = mixer.cfg, h.shape[0]
-    q = mixer.q_proj(h).unflatten(1, (cfg.num_heads, -1))  # [B, Hq, D or 2D]
-    gate = None
-    if cfg.output_gate:
-        q, gate = q.split(cfg.head_dim, dim=-1)
-        gate = gate.flatten(1)
-    k = mixer.k_proj(h).unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
-    v = mixer.v_proj(h).unflatten(1, (cfg.num_kv_heads, cfg.head_dim))
-    if cfg.qk_norm is not None:
-        q, k = _norm(mixer.q_norm, q), _norm(mixer.k_norm, k)
-    if mixer.rotary is not None:
-        freqs = positions[:, None].float() * mixer.rotary.inv_freq[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q, k, v, gate = attention_inputs(mixer, h, positions)
     block = key_cache.shape[1]
     page = table.gather(1, (positions // block)[:, None])[:, 0]
     slot = positions % block
@@ -234,6 +244,29 @@ def _gdn(
     return mixer.out_proj(gated)
 
 
+# one layer's mixer in a graph: (layer index, its plan, the mixer, its normed input, its
+# caches: attention K and V, or GDN conv, SSM written, SSM read) -> the mixer's output
+Mix = Callable[[int, LayerPlan, nn.Module, Tensor, tuple[Tensor, ...]], Tensor]
+
+
+def through_layers(
+    model: CausalLM, plan: GraphPlan, x: Tensor, caches: Sequence[Tensor], mix: Mix
+) -> Tensor:
+    """The decoder stack over embedded rows ``x`` as the graphs run it: each pre-norm
+    layer's mixer by ``mix``, then its MLP, and the final norm (not the LM head)."""
+    stack = model.model
+    at = 0
+    for index, (layer, layer_plan) in enumerate(zip(stack.layers, plan.layers, strict=True)):
+        mixer_norm, ff_norm = (getattr(layer, name) for name in layer.norm_names)
+        width = 2 if layer_plan.kind == "attention" else 3
+        own = tuple(caches[at : at + width])
+        at += width
+        mixer = getattr(layer, layer.mixer_name)
+        x = x + mix(index, layer_plan, mixer, norm(mixer_norm, x), own)
+        x = x + getattr(layer, layer.feed_forward_name)(norm(ff_norm, x))
+    return norm(stack.norm, x)
+
+
 class _Step(nn.Module):
     """The decode forward the graph is traced from (the model a submodule, whose weights
     :class:`_Exported` swaps for its inputs)."""
@@ -252,55 +285,41 @@ class _Step(nn.Module):
         fresh: Tensor,
         caches: tuple[Tensor, ...],
     ) -> Tensor:
-        plan, stack = self.plan, self.model.model
+        plan = self.plan
         table_of = dict(zip(plan.attention_groups, tables, strict=True))
         pages_of = dict(zip(plan.recurrent_groups, pages, strict=True))
-        x = stack.embed_tokens(ids)
-        at = 0
-        for layer, layer_plan in zip(stack.layers, plan.layers, strict=True):
-            mixer_norm, ff_norm = (getattr(layer, name) for name in layer.norm_names)
-            mixer = getattr(layer, layer.mixer_name)
-            h = _norm(mixer_norm, x)
+
+        def mix(
+            _: int, layer_plan: LayerPlan, mixer: nn.Module, h: Tensor, own: tuple[Tensor, ...]
+        ) -> Tensor:
+            group = layer_plan.group_id
             if layer_plan.kind == "attention":
-                key_cache, value_cache = caches[at : at + 2]
-                at += 2
-                table = table_of[layer_plan.group_id]
-                out = _attention(mixer, h, positions, table, key_cache, value_cache)
-            else:
-                own = caches[at : at + 3]
-                at += 3
-                out = _gdn(mixer, h, pages_of[layer_plan.group_id], fresh, own)
-            x = x + out
-            x = x + getattr(layer, layer.feed_forward_name)(_norm(ff_norm, x))
-        return self.model.lm_head(_norm(stack.norm, x)).float()
+                assert isinstance(mixer, PagedAttention)
+                return _attention(mixer, h, positions, table_of[group], *own)
+            assert isinstance(mixer, GatedDeltaNet)
+            return _gdn(mixer, h, pages_of[group], fresh, own)
+
+        x = through_layers(self.model, plan, self.model.model.embed_tokens(ids), caches, mix)
+        return self.model.lm_head(x).float()
 
 
 class _Exported(nn.Module):
-    """:class:`_Step` over explicit weights (the package's first inputs), as
+    """A step module over explicit weights (the package's first inputs), as
     :func:`torch.export.export` takes it; the step is kept out of this module's tree, so
-    its weights are inputs, not constants baked into the package."""
+    its weights are inputs, not constants baked into the package. The step's own inputs
+    come as one tuple, whatever the step (the decode and the prefill graph share this)."""
 
-    def __init__(self, step: _Step, names: list[str]) -> None:
+    def __init__(self, step: nn.Module, names: list[str]) -> None:
         super().__init__()
         self._step = (step,)
         self.names = names
 
-    def forward(
-        self,
-        weights: tuple[Tensor, ...],
-        ids: Tensor,
-        positions: Tensor,
-        tables: tuple[Tensor, ...],
-        pages: tuple[Tensor, ...],
-        fresh: Tensor,
-        caches: tuple[Tensor, ...],
-    ) -> Tensor:
+    def forward(self, weights: tuple[Tensor, ...], inputs: tuple[object, ...]) -> Tensor:
         state = dict(zip(self.names, weights, strict=True))
-        args = (ids, positions, tables, pages, fresh, caches)
-        return torch.func.functional_call(self._step[0], state, args)
+        return torch.func.functional_call(self._step[0], state, inputs)
 
 
-def _cache_inputs(model: CausalLM, views: CacheViews, plan: GraphPlan) -> list[Tensor]:
+def cache_inputs(model: CausalLM, views: CacheViews, plan: GraphPlan) -> list[Tensor]:
     """Each layer's pages as the graph takes them, in layer order: attention K and V, GDN
     conv (read and written), SSM (written) and SSM (read). Each is an alias with its own
     storage object over the arena's memory (mixer_decode._reading_alias): torch merges
@@ -352,10 +371,22 @@ class DecodeGraph:
         """[B, vocab] fp32 logits of a batch whose every request decodes one token (the
         runner's decode batch: contiguous int64 ids, positions, tables and pages)."""
         assert batch.has_initial_state is not None
-        fresh = ~batch.has_initial_state
         tables = [batch.block_tables[g] for g in self.plan.attention_groups]
         pages = [batch.state_pages[g] for g in self.plan.recurrent_groups]
-        flat = (*self.weights, batch.input_ids, batch.positions, *tables, *pages, fresh)
+        return self.run(batch.input_ids, batch.positions, tables, pages, ~batch.has_initial_state)
+
+    def run(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        tables: Sequence[Tensor],
+        pages: Sequence[Tensor],
+        fresh: Tensor,
+    ) -> Tensor:
+        """[B, vocab] fp32 logits of B one-token rows: their ids and positions [B], each
+        attention group's block table [B, W] and each recurrent group's live page [B]
+        (the plan's group order), ``fresh`` [B] bool (a state page that holds garbage)."""
+        flat = (*self.weights, ids, positions, *tables, *pages, fresh)
         return self.step(*flat, *self.caches)[0]
 
 
@@ -378,6 +409,49 @@ def _examples(
 _SOURCES = (sys.modules[__name__], *mixer_decode._SOURCES, gated_deltanet, mlp, fp32_matmul)
 
 
+def load_graph_package(
+    name: str,
+    step: nn.Module,
+    model: CausalLM,
+    plan: GraphPlan,
+    inputs: tuple[object, ...],
+    shapes: tuple[object, ...],
+    sources: tuple[ModuleType, ...],
+) -> tuple[AheadOfTimeStep, list[Tensor]] | None:
+    """(the package of ``step`` loaded, built the first time on this machine, and the
+    weights it takes first), or None where no package can be built or loaded.
+
+    ``inputs``: an example of the step's arguments (tensors and tuples of tensors) whose
+    last is the caches (:func:`cache_inputs`); ``shapes``: their dynamic dims as
+    :func:`torch.export.export` takes them. The key covers ``sources``, the model's
+    constants and every input's dtype, sizes and strides (a dynamic first size as any)."""
+    named = [*step.named_parameters(), *step.named_buffers()]
+    names = [n for n, _ in named]
+    weights = [t.detach() for _, t in named]
+    flat: list[Tensor] = [*weights]
+    dynamic: list[bool] = [False] * len(weights)
+    for value, dims in zip(inputs, shapes, strict=True):
+        values = value if isinstance(value, tuple) else (value,)
+        per = dims if isinstance(dims, tuple) else (dims,)
+        for tensor, tensor_dims in zip(values, per, strict=True):
+            assert isinstance(tensor, Tensor)
+            flat.append(tensor)
+            dynamic.append(isinstance(tensor_dims, dict) and 0 in tensor_dims)
+    key = ahead_of_time.package_key(
+        name, sources, flat, dynamic, extra=_describe_model(model, plan)
+    )
+
+    def export() -> torch.export.ExportedProgram:
+        all_shapes = (tuple(None for _ in weights), shapes)
+        with torch.no_grad():
+            return torch.export.export(
+                _Exported(step, names), (tuple(weights), inputs), dynamic_shapes=all_shapes
+            )
+
+    loaded = ahead_of_time.load_or_build(key, export, {"emulate_precision_casts": True})
+    return None if loaded is None else (loaded, weights)
+
+
 def load_decode_graph(model: CausalLM, views: CacheViews) -> DecodeGraph | None:
     """The decode graph of ``model`` over ``views``, loaded (built the first time on this
     machine, ~40-60 s), or None where the model, device or machine cannot run one."""
@@ -386,36 +460,22 @@ def load_decode_graph(model: CausalLM, views: CacheViews) -> DecodeGraph | None:
     plan = decode_graph_plan(model, views)
     if plan is None:
         return None
-    step = _Step(model, plan)
-    named = [*step.named_parameters(), *step.named_buffers()]
-    names = [name for name, _ in named]
-    weights = [t.detach() for _, t in named]
-    caches = _cache_inputs(model, views, plan)
+    caches = cache_inputs(model, views, plan)
     ids, positions, tables, pages, fresh = _examples(plan, views.arena.device)
-    flat = [*weights, ids, positions, *tables, *pages, fresh, *caches]
-    per_step = len(tables) + len(pages) + 3
-    dynamic = [False] * len(weights) + [True] * per_step + [True] * len(caches)
-    key = ahead_of_time.package_key(
-        "decode-graph", _SOURCES, flat, dynamic, extra=_describe_model(model, plan)
+    batch = torch.export.Dim("batch", min=1)
+    width = torch.export.Dim("width", min=1)
+    inputs = (ids, positions, tuple(tables), tuple(pages), fresh, tuple(caches))
+    shapes = (
+        {0: batch},
+        {0: batch},
+        tuple({0: batch, 1: width} for _ in tables),
+        tuple({0: batch} for _ in pages),
+        {0: batch},
+        tuple({0: torch.export.Dim(f"pages{i}", min=1)} for i in range(len(caches))),
     )
-
-    def export() -> torch.export.ExportedProgram:
-        batch = torch.export.Dim("batch", min=1)
-        width = torch.export.Dim("width", min=1)
-        shapes = (
-            tuple(None for _ in weights),
-            {0: batch},
-            {0: batch},
-            tuple({0: batch, 1: width} for _ in tables),
-            tuple({0: batch} for _ in pages),
-            {0: batch},
-            tuple({0: torch.export.Dim(f"pages{i}", min=1)} for i in range(len(caches))),
-        )
-        inputs = (tuple(weights), ids, positions, tuple(tables), tuple(pages), fresh, tuple(caches))
-        with torch.no_grad():
-            return torch.export.export(_Exported(step, names), inputs, dynamic_shapes=shapes)
-
-    loaded = ahead_of_time.load_or_build(key, export, {"emulate_precision_casts": True})
+    loaded = load_graph_package(
+        "decode-graph", _Step(model, plan), model, plan, inputs, shapes, _SOURCES
+    )
     if loaded is None:
         return None
-    return DecodeGraph(loaded, plan, weights, caches)
+    return DecodeGraph(loaded[0], plan, loaded[1], caches)

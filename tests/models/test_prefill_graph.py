@@ -1,0 +1,240 @@
+"""The whole-model prefill graph (hybridkv.models.prefill_graph) against the eager forward.
+
+As tests/models/test_decode_graph.py: the tiny Qwen3.5 over a poisoned, scrambled arena
+(tests/models/paged_runner.py), one step run both ways from the same bytes. The package is
+built once per machine and shape (~1-2 min) into the user's package cache.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hybrid_checks import assert_close, prompt
+from paged_runner import PagedRunner
+from test_decode_graph import _rewinder, _views
+from tiny import hf_greedy, save_checkpoint
+
+from hybridkv.engine import EngineConfig, LLMEngine
+from hybridkv.models.prefill_graph import (
+    MAX_TOKENS,
+    PrefillGraph,
+    load_prefill_graph,
+    one_chunk_delta_rule,
+)
+from hybridkv.ops import ahead_of_time
+from hybridkv.ops.compiled import compile_enabled
+from hybridkv.ops.gated_delta_rule.naive import l2norm, recurrent_gated_delta_rule
+from hybridkv.ops.paged_state import StateCaptures
+from hybridkv.sched.sampling_params import SamplingParams
+
+PREFIXES = {"a": prompt(41, 37), "b": prompt(42, 16)}
+
+
+@pytest.fixture
+def loaded(get_tiny: Any) -> tuple[PagedRunner, PrefillGraph]:
+    """A runner with two requests prefilled eagerly, and the prefill graph over its arena."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here (the eager forward serves every prefill)")
+    _, lm = get_tiny("qwen3_5_text")
+    runner = PagedRunner(lm.model, lm.spec, seed=9)
+    graph = load_prefill_graph(lm.model, runner.views)
+    assert graph is not None
+    with torch.inference_mode():
+        for req_id, ids in PREFIXES.items():
+            runner.step([(req_id, ids)])
+    return runner, graph
+
+
+def _snapshot_pages(runner: PagedRunner, count: int) -> list[int]:
+    """``count`` free state pages of the recurrent group to capture into."""
+    (group,) = [g.group_id for g in runner.spec.groups if g.is_recurrent]
+    return [runner.allocator.allocate(group) for _ in range(count)]
+
+
+def _prefill(
+    runner: PagedRunner,
+    graph: PrefillGraph | None,
+    work: list[tuple[str, list[int]]],
+    captures: list[tuple[int, int]] = (),  # type: ignore[assignment]
+) -> torch.Tensor:
+    """One step of prefill chunks ``work``: eager, or through ``graph``; the state after
+    each ``(row of the step, page)`` of ``captures`` written to its page. Logits at each
+    chunk's last token."""
+    with torch.inference_mode():
+        batch = runner.build_batch(work, all_logits=False)
+        if captures:
+            (group,) = [g.group_id for g in runner.spec.groups if g.is_recurrent]
+            rows, pages = zip(*captures, strict=True)
+            batch.state_captures = {group: StateCaptures(torch.tensor(rows), torch.tensor(pages))}
+        last = batch.query_start_loc[1:] - 1
+        batch.logits_indices = last
+        logits = runner.model(batch, runner.views) if graph is None else graph(batch)
+    for req_id, tokens in work:
+        runner.reqs[req_id].num_computed += len(tokens)
+    return logits
+
+
+def _both_ways(
+    runner: PagedRunner,
+    graph: PrefillGraph,
+    work: list[tuple[str, list[int]]],
+    captures: list[tuple[int, int]] = (),  # type: ignore[assignment]
+) -> None:
+    """The step eagerly, then through the graph from the same bytes: the same logits, the
+    same pages written to rounding, nothing else written (the NaN poison where it was)."""
+    rewind = _rewinder(runner)
+    eager = _prefill(runner, None, work, captures)
+    eager_pages = _views(runner)
+    rewind()
+    got = _prefill(runner, graph, work, captures)
+    assert torch.isfinite(got).all()
+    assert_close(got, eager)
+    for mine, theirs in zip(_views(runner), eager_pages, strict=True):
+        assert torch.equal(mine.isnan(), theirs.isnan())
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-3, equal_nan=True)
+
+
+def test_fresh_and_continued_prefills_of_unequal_lengths(
+    loaded: tuple[PagedRunner, PrefillGraph],
+) -> None:
+    """A fresh request (a state page of NaN), two that continue from their states and
+    keys, their lengths unequal (the shorter padded), in one step."""
+    runner, graph = loaded
+    _both_ways(
+        runner, graph, [("a", prompt(43, 29)), ("fresh", prompt(44, 50)), ("b", prompt(45, 3))]
+    )
+
+
+def test_the_longest_chunk_the_graph_takes(loaded: tuple[PagedRunner, PrefillGraph]) -> None:
+    """One chunk of MAX_TOKENS tokens: the recurrence as one chunk of them (the eager op
+    steps 16 at a time), its states the same to rounding."""
+    runner, graph = loaded
+    _both_ways(runner, graph, [("a", prompt(46, MAX_TOKENS))])
+
+
+def test_snapshots_taken_inside_the_graph(loaded: tuple[PagedRunner, PrefillGraph]) -> None:
+    """States after rows inside the chunks, at their ends and in two requests at once go
+    to their pages as the eager forward's captures put them."""
+    runner, graph = loaded
+    pages = _snapshot_pages(runner, 4)
+    work = [("a", prompt(47, 40)), ("fresh", prompt(48, 33))]
+    # rows of the flat step: a's 16th and last, fresh's 1st and 32nd
+    captures = [(15, pages[0]), (39, pages[1]), (40, pages[2]), (71, pages[3])]
+    _both_ways(runner, graph, work, captures)
+
+
+def test_an_engine_prefills_through_the_graph(tmp_path: Path, get_tiny: Any) -> None:
+    """Caching on, a follow-up turn prefills its new tokens through the graph (snapshots
+    inside it), hits what its previous turn left, and every reply equals caching off's
+    (whose long first prompts run eagerly) and transformers' greedy tokens."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here")
+    hf, _ = get_tiny("qwen3_5_text")
+    path = save_checkpoint(hf, tmp_path / "ckpt")
+    options = {"model": str(path), "cache_memory_gib": 0.02, "max_model_len": 512}
+    on, off = (
+        LLMEngine(EngineConfig(**options)),
+        LLMEngine(EngineConfig(enable_prefix_caching=False, **options)),
+    )
+    graph = on.runner.prefill_graph
+    assert graph is not None
+    first = prompt(51, 150)  # longer than the graph takes: eager
+    replies, cached = [], []
+    for engine in (on, off):
+        calls = graph.step.num_calls  # (the engines share the loaded package)
+        reply = _generate(engine, "t1", first)[0]
+        assert graph.step.num_calls == calls  # the long prompt ran eagerly
+        follow_up = first + reply + prompt(52, 40)
+        reply2, hit2 = _generate(engine, "t2", follow_up)
+        replies.append((reply, reply2))
+        cached.append(hit2)
+    assert replies[0] == replies[1]
+    assert replies[0][0] == hf_greedy(hf, first, 12)[0]
+    assert replies[0][1] == hf_greedy(hf, first + replies[0][0] + prompt(52, 40), 12)[0]
+    assert cached[0] > len(first) and cached[1] == 0
+    assert graph.step.num_calls > 0
+
+
+def test_a_step_of_decodes_and_prefills_runs_both_graphs(
+    tmp_path: Path, get_tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests arriving while others decode: steps that hold decodes and prefill chunks
+    run both graphs, their logits put back in the step's order; every reply equals
+    transformers' greedy tokens, caching on and off."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here")
+    hf, _ = get_tiny("qwen3_5_text")
+    path = save_checkpoint(hf, tmp_path / "ckpt")
+    prompts = {f"r{i}": prompt(60 + i, 20 + 23 * i) for i in range(4)}
+    for caching in (True, False):
+        engine = LLMEngine(
+            EngineConfig(model=str(path), cache_memory_gib=0.02, enable_prefix_caching=caching)
+        )
+        ran: list[str] = []  # the graphs each step ran
+        for name in ("decode_graph", "prefill_graph"):
+            graph = getattr(engine.runner, name)
+            assert graph is not None
+            monkeypatch.setattr(graph, "run", _noting(graph.run, ran, name[0]))
+        replies: dict[str, list[int]] = {}
+        pending = list(prompts.items())
+        steps: list[str] = []
+        while pending or engine.has_unfinished_requests():
+            if pending:  # one more request every step: its prefill beside the decodes
+                request_id, ids = pending.pop(0)
+                engine.add_request(request_id, ids, SamplingParams(max_tokens=6, temperature=0))
+            ran.clear()
+            for out in engine.step():
+                if out.finished:
+                    replies[out.request_id] = list(out.outputs[0].token_ids)
+            steps.append("".join(sorted(ran)))
+        for request_id, ids in prompts.items():
+            assert replies[request_id] == hf_greedy(hf, ids, 6)[0], request_id
+        assert "dp" in steps and "d" in steps, steps  # mixed steps, then decodes alone
+
+
+def _noting(run: Any, ran: list[str], mark: str) -> Any:
+    """``run``, noting ``mark`` in ``ran`` at each call."""
+
+    def noted(*args: Any) -> Any:
+        ran.append(mark)
+        return run(*args)
+
+    return noted
+
+
+def _generate(engine: LLMEngine, request_id: str, ids: list[int]) -> tuple[list[int], int]:
+    """(12 greedy tokens, prompt tokens served from the cache)."""
+    engine.add_request(request_id, ids, SamplingParams(max_tokens=12, temperature=0))
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return list(out.outputs[0].token_ids), out.num_cached_tokens
+    raise AssertionError("no output")
+
+
+@pytest.mark.parametrize("decay", [1.0, 0.05])
+def test_one_chunk_of_the_longest_prefill_holds_its_precision(decay: float) -> None:
+    """The graph's recurrence as one chunk of MAX_TOKENS rows (the eager op's are 16), on a
+    real model's head shapes (8 heads of 128 x 128), strong and weak decay: output and
+    final state within 1e-5 of the token-by-token form in fp64, relative to their size."""
+    torch.manual_seed(0)
+    rows, heads, dim = MAX_TOKENS, 8, 128
+    q, k, v = (torch.randn(1, rows, heads, dim) for _ in range(3))
+    g = -decay * torch.nn.functional.softplus(torch.randn(1, rows, heads))
+    beta = torch.rand(1, rows, heads)
+    start = torch.randn(1, heads, dim, dim) * 0.1
+    wide = (x.double() for x in (q, k, v, g, beta, start))
+    want_out, want_state = recurrent_gated_delta_rule(*wide)
+
+    def heads_first(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2).contiguous()
+
+    q_normed, k_normed = l2norm(q) * dim**-0.5, l2norm(k)
+    out, state, *_ = one_chunk_delta_rule(
+        *map(heads_first, (q_normed, k_normed, v, g, beta)), start
+    )
+    for got, want in ((out.transpose(1, 2), want_out), (state, want_state)):
+        assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
