@@ -16,6 +16,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+# how long a server may take to come up: its first start on a machine builds the compiled
+# packages of its model layout (the GDN steps, the decode and prefill graphs: ~3 min on a
+# busy 2-core CPU; hybridkv.ops.ahead_of_time), later starts load them in seconds
+START_TIMEOUT_S = 300
+
+
 def wait_until_serving(proc: subprocess.Popen[str], port: int, timeout_s: float) -> None:
     """Poll ``/health`` until it answers 200; fail with the server's output if it exits first,
     and with a plain message if it is not up within ``timeout_s``."""

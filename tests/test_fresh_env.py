@@ -34,7 +34,7 @@ from tests.install_helpers import (
     module_names_of_files,
     quick_start_commands,
 )
-from tests.serve_process import free_port, wait_until_serving
+from tests.serve_process import START_TIMEOUT_S, free_port, wait_until_serving
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -265,7 +265,7 @@ def test_serve_example_answers_the_openai_client(fresh_env: FreshEnv, tmp_path: 
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
     )  # fmt: skip
     try:
-        wait_until_serving(proc, port, timeout_s=120)
+        wait_until_serving(proc, port, timeout_s=START_TIMEOUT_S)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="KEY", max_retries=0)
         reply = client.chat.completions.create(
             model="my-model", messages=[{"role": "user", "content": "What color is the sky?"}],

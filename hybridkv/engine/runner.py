@@ -15,8 +15,9 @@ prefill chunks of at most ``prefill_graph.MAX_TOKENS`` tokens runs no eager forw
 decodes go through the decode graph (hybridkv.models.decode_graph), whose snapshots, each
 after its request's one token, are the live state page copied whole once the graph has
 run, and its prefill chunks through the prefill graph (hybridkv.models.prefill_graph),
-which takes their snapshots inside. Any other step (a longer chunk, drafts, prompt
-log-probabilities) runs the eager forward over all its rows.
+which takes their snapshots inside (the prefill graph is loaded only beside a decode
+graph). Any other step (a longer chunk, drafts, prompt log-probabilities, more attention
+scores than ``prefill_graph.MAX_SCORES``) runs the eager forward over all its rows.
 """
 
 from __future__ import annotations
@@ -229,7 +230,10 @@ class ModelRunner:
             return logits
         assert self.prefill_graph is not None
         prefill_chunks = [chunks[i] for i in prefills]
-        from_prefills = self.prefill_graph(self.build_batch(prefill_chunks, manager))
+        prefill_batch = self.build_batch(prefill_chunks, manager)
+        if not self.prefill_graph.takes(prefill_batch):  # its attention scores too many
+            return None
+        from_prefills = self.prefill_graph(prefill_batch)
         if not decodes:
             return from_prefills
         decode_chunks = [chunks[i] for i in decodes]
@@ -259,7 +263,8 @@ def _one_token(chunk: ScheduledChunk) -> bool:
 
 
 def _short_prefill(chunk: ScheduledChunk) -> bool:
-    """Whether a chunk may run the prefill graph: at most its tokens, no drafts or scratch."""
+    """Whether a chunk may run the prefill graph: at most ``prefill_graph.MAX_TOKENS``
+    tokens, no drafts or scratch states."""
     return (
         chunk.num_tokens <= prefill_graph.MAX_TOKENS
         and chunk.num_draft_tokens == 0

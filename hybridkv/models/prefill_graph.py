@@ -12,24 +12,30 @@ decodes or prefills of at most :data:`MAX_TOKENS` tokens runs its decodes throug
 decode graph and its prefills through this one, two calls in place of the eager forward.
 
 Its batch is a rectangle: each prefill chunk a row of ``P`` tokens (the step's longest),
-padded by repeating its last token. Padding is computed and thrown away, never stored: a
+padded by repeating its last token. Padding is computed and thrown away, never kept: a
 padded row's decay is 1 and its write strength 0 (the recurrent state passes through it
 unchanged), the conv keeps the inputs up to the last real token, the attention masks
-every key past a chunk's last real token, zeroes their values (a weight of 0 times a
-never-written slot's NaN is NaN) and writes each chunk's last K/V again after the padded
-rows wrote the same slot. Its recurrence is the chunked (WY) form of
-:mod:`hybridkv.ops.gated_delta_rule.naive` over one chunk of all ``P`` tokens (a 128 x
-128 unit-triangular solve at most, where the eager op steps 16 at a time: the same states
-to rounding; the solve is ATen's, called through AOTInductor's proxy executor, as torch
-has no C shim for it), and its snapshots are taken inside the forward, as the eager op's are: the
-state after row ``j`` is ``exp(cum_j) S + sum_{i <= j} exp(cum_j - cum_i) k_i v_new_i^T``,
-written to each snapshot's page before the live state is (a step without a snapshot
-passes the last row of its first chunk into its own live page, overwritten after).
+every key past a chunk's last real token and zeroes their values (a weight of 0 times a
+never-written slot's NaN is NaN); the padded rows' K/V land in their chunk's last slot
+(their hidden states differ from the last token's after the first GDN layer: its conv
+window holds the repeated token), which the last real row's K/V then overwrite.
+
+Its recurrence is the chunked (WY) form of :mod:`hybridkv.ops.gated_delta_rule.naive`
+over one chunk of all ``P`` tokens (a 128 x 128 unit-triangular solve at most, where the
+eager op steps 16 at a time: the same states to rounding; the solve is ATen's, called
+through AOTInductor's proxy executor, as torch has no C shim for it), and its snapshots
+are taken inside the forward, as the eager op's are: the state after row ``j`` is
+``exp(cum_j) S + sum_{i <= j} exp(cum_j - cum_i) k_i v_new_i^T``, written to each
+snapshot's page before the live state is (a step without a snapshot passes the last row
+of its first chunk into its own live page, overwritten after).
 
 A step holding a longer chunk (a long fresh prompt), drafts or prompt log-probabilities
-runs the eager forward over all its rows. It computes in the same roundings as the eager
-layers where that is cheap (the conv in
-fp32 rounded to the model dtype before the SiLU, the recurrence in fp32, the gated norm)
+runs the eager forward over all its rows, as does one whose attention scores (requests x
+query heads x ``P`` x the widest key table, fp32, one layer at a time) would pass
+:data:`MAX_SCORES` (long contexts: the graph attends over whole tables at once).
+
+It computes in the same roundings as the eager layers where that is cheap (the conv in fp32
+rounded to the model dtype before the SiLU, the recurrence in fp32, the gated norm)
 and keeps the attention's scores in fp32; the logits equal the eager forward's to rounding
 (tests/models/test_prefill_graph.py, on a poisoned arena). Which models: those of the
 decode graph's plan (:func:`~hybridkv.models.decode_graph.decode_graph_plan`).
@@ -59,7 +65,7 @@ from hybridkv.models.decode_graph import (
     load_graph_package,
     through_layers,
 )
-from hybridkv.ops import ahead_of_time
+from hybridkv.ops import ahead_of_time, gated_norm
 from hybridkv.ops.ahead_of_time import AheadOfTimeStep
 from hybridkv.ops.gated_delta_rule.chunk_operands import per_v_head
 from hybridkv.ops.gated_delta_rule.mixer_decode import gates
@@ -69,6 +75,9 @@ from hybridkv.ops.gated_norm import gated_rms_norm
 # the longest prefill chunk the graph runs: its recurrence is one chunk of P tokens, whose
 # unit-triangular system grows with P squared (the eager op's chunks are 16)
 MAX_TOKENS = 128
+# the most attention scores a layer of the graph holds at once (64 MiB of fp32); a step
+# past it runs eagerly, where attention goes block by block
+MAX_SCORES = 1 << 24
 # the example the graph is exported on: requests, tokens a request, key pages, snapshots
 # (torch specialises a size of one; the package runs any size, one included)
 _EXAMPLE = (2, 3, 2, 2)
@@ -96,8 +105,8 @@ def _attention(
     v_rows = v.unflatten(0, (requests, width)).to(value_cache.dtype)
     key_cache[page, slot] = k_rows
     value_cache[page, slot] = v_rows
-    # a padded row wrote its chunk's last slot too (its own rounding of the same token):
-    # the last real row's K/V written again, after
+    # a padded row wrote its chunk's last slot too (other values: its hidden state is not
+    # the last token's past the first GDN layer): the last real row's K/V written again
     end = (last - positions[:, 0])[:, None]  # [R, 1] the last real row of each request
     last_page, last_slot = page.gather(1, end)[:, 0], slot.gather(1, end)[:, 0]
     key_cache[last_page, last_slot] = k_rows.gather(
@@ -228,6 +237,10 @@ def _gdn(
     def heads_first(t: Tensor) -> Tensor:  # [T, Hv, ...] -> [R, Hv, P, ...]
         return t.unflatten(0, (requests, width)).transpose(1, 2)
 
+    # the states read through their own alias, which inductor does not order against the
+    # writes below: they feed the solve's products (w @ state), so they are a buffer read
+    # before either write, and a step without snapshots may pass its first chunk's live
+    # page as a capture (overwritten by the live write, which comes last)
     state = ssm_source[pages].float().masked_fill(fresh[:, None, None, None], 0.0)
     out, final, v_new, decay, cum = one_chunk_delta_rule(
         heads_first(q), heads_first(k), heads_first(v), heads_first(g), heads_first(beta), state
@@ -295,12 +308,40 @@ class PrefillGraph:
     """A loaded prefill graph: call :meth:`run` with a rectangle of prefill rows."""
 
     def __init__(
-        self, step: AheadOfTimeStep, plan: GraphPlan, weights: list[Tensor], caches: list[Tensor]
+        self,
+        step: AheadOfTimeStep,
+        plan: GraphPlan,
+        weights: list[Tensor],
+        caches: list[Tensor],
+        query_heads: int,
     ) -> None:
         self.step = step
         self.plan = plan
         self.weights = weights
         self.caches = caches
+        self.query_heads = query_heads  # the most of any attention layer (0: none)
+
+    def takes(self, batch: ForwardBatch) -> bool:
+        """Whether a batch of prefill chunks fits :data:`MAX_SCORES` (module doc)."""
+        if not self.query_heads:
+            return True
+        keys = max(t.shape[1] for t in batch.block_tables.values()) * self.block_tokens
+        longest = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max())
+        scores = batch.num_requests * self.query_heads * max(2, longest) * keys
+        return scores <= MAX_SCORES
+
+    @property
+    def block_tokens(self) -> int:
+        """Tokens a KV page holds (the first attention layer's)."""
+        return next(c.shape[1] for c, p in zip(self.caches, self._kinds(), strict=True) if p)
+
+    def _kinds(self) -> list[bool]:
+        """Per cache input, whether it is an attention layer's (cache_inputs order)."""
+        return [
+            kind
+            for layer in self.plan.layers
+            for kind in ([True] * 2 if layer.kind == "attention" else [False] * 3)
+        ]
 
     def __call__(self, batch: ForwardBatch) -> Tensor:
         """[R, vocab] fp32 logits at the last token of each of the R prefill chunks of
@@ -361,7 +402,7 @@ class PrefillGraph:
 
 
 # what the graph's code is made of (a change to one is a new package)
-_SOURCES = (sys.modules[__name__], *decode_graph._SOURCES)
+_SOURCES = (sys.modules[__name__], gated_norm, *decode_graph._SOURCES)
 
 
 def load_prefill_graph(model: CausalLM, views: CacheViews) -> PrefillGraph | None:
@@ -411,4 +452,5 @@ def load_prefill_graph(model: CausalLM, views: CacheViews) -> PrefillGraph | Non
     )
     if loaded is None:
         return None
-    return PrefillGraph(loaded[0], plan, loaded[1], caches)
+    heads = [m.cfg.num_heads for m in model.modules() if isinstance(m, PagedAttention)]
+    return PrefillGraph(loaded[0], plan, loaded[1], caches, max(heads, default=0))

@@ -11,7 +11,7 @@ import pytest
 from openai import OpenAI
 
 from hybridkv.cli import main
-from tests.serve_process import free_port, wait_until_serving
+from tests.serve_process import START_TIMEOUT_S, free_port, wait_until_serving
 
 
 @pytest.mark.slow
@@ -24,7 +24,7 @@ def test_serve_command_chats_and_stops_cleanly(checkpoint: Path) -> None:
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until_serving(proc, port, timeout_s=60)
+        wait_until_serving(proc, port, timeout_s=START_TIMEOUT_S)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["cli-model"]
         reply = client.chat.completions.create(

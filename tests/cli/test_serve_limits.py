@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.serve_process import free_port, wait_until_serving
+from tests.serve_process import START_TIMEOUT_S, free_port, wait_until_serving
 
 HEADER_S, BODY_S, SHUTDOWN_S = 1.5, 2.0, 4.0
 DRAIN_S = 15.0  # time a running request gets after SIGTERM in the shutdown test
@@ -35,7 +35,7 @@ def start(checkpoint: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
         "--shutdown-timeout", str(SHUTDOWN_S), *extra,
     ]  # fmt: skip
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_until_serving(proc, port, timeout_s=120)
+    wait_until_serving(proc, port, timeout_s=START_TIMEOUT_S)
     return proc, port
 
 

@@ -18,6 +18,7 @@ from test_decode_graph import _rewinder, _views
 from tiny import hf_greedy, save_checkpoint
 
 from hybridkv.engine import EngineConfig, LLMEngine
+from hybridkv.models import prefill_graph
 from hybridkv.models.prefill_graph import (
     MAX_TOKENS,
     PrefillGraph,
@@ -26,7 +27,7 @@ from hybridkv.models.prefill_graph import (
 )
 from hybridkv.ops import ahead_of_time
 from hybridkv.ops.compiled import compile_enabled
-from hybridkv.ops.gated_delta_rule.naive import l2norm, recurrent_gated_delta_rule
+from hybridkv.ops.gated_delta_rule.naive import l2norm
 from hybridkv.ops.paged_state import StateCaptures
 from hybridkv.sched.sampling_params import SamplingParams
 
@@ -103,9 +104,15 @@ def test_fresh_and_continued_prefills_of_unequal_lengths(
     """A fresh request (a state page of NaN), two that continue from their states and
     keys, their lengths unequal (the shorter padded), in one step."""
     runner, graph = loaded
-    _both_ways(
-        runner, graph, [("a", prompt(43, 29)), ("fresh", prompt(44, 50)), ("b", prompt(45, 3))]
-    )
+    work = [("fresh", prompt(44, 50)), ("a", prompt(43, 29)), ("b", prompt(45, 3))]
+    _both_ways(runner, graph, work)
+
+
+def test_chunks_shorter_than_the_conv_window(loaded: tuple[PagedRunner, PrefillGraph]) -> None:
+    """Chunks of 2 tokens, fewer than the conv's 3 carried inputs: the carried ones shift
+    in (a continued request) or start from zeros (a fresh one)."""
+    runner, graph = loaded
+    _both_ways(runner, graph, [("b", prompt(49, 2)), ("fresh", prompt(50, 2))])
 
 
 def test_the_longest_chunk_the_graph_takes(loaded: tuple[PagedRunner, PrefillGraph]) -> None:
@@ -121,8 +128,8 @@ def test_snapshots_taken_inside_the_graph(loaded: tuple[PagedRunner, PrefillGrap
     runner, graph = loaded
     pages = _snapshot_pages(runner, 4)
     work = [("a", prompt(47, 40)), ("fresh", prompt(48, 33))]
-    # rows of the flat step: a's 16th and last, fresh's 1st and 32nd
-    captures = [(15, pages[0]), (39, pages[1]), (40, pages[2]), (71, pages[3])]
+    # rows of the flat step: a's 16th and last, fresh's 1st and last (a padded chunk's)
+    captures = [(15, pages[0]), (39, pages[1]), (40, pages[2]), (72, pages[3])]
     _both_ways(runner, graph, work, captures)
 
 
@@ -219,22 +226,53 @@ def _generate(engine: LLMEngine, request_id: str, ids: list[int]) -> tuple[list[
 def test_one_chunk_of_the_longest_prefill_holds_its_precision(decay: float) -> None:
     """The graph's recurrence as one chunk of MAX_TOKENS rows (the eager op's are 16), on a
     real model's head shapes (8 heads of 128 x 128), strong and weak decay: output and
-    final state within 1e-5 of the token-by-token form in fp64, relative to their size."""
+    final state within 1e-5 of the token-by-token recurrence in fp64, relative to their
+    size."""
     torch.manual_seed(0)
     rows, heads, dim = MAX_TOKENS, 8, 128
     q, k, v = (torch.randn(1, rows, heads, dim) for _ in range(3))
     g = -decay * torch.nn.functional.softplus(torch.randn(1, rows, heads))
     beta = torch.rand(1, rows, heads)
     start = torch.randn(1, heads, dim, dim) * 0.1
-    wide = (x.double() for x in (q, k, v, g, beta, start))
-    want_out, want_state = recurrent_gated_delta_rule(*wide)
+    q_normed, k_normed = l2norm(q) * dim**-0.5, l2norm(k)
 
     def heads_first(x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2).contiguous()
 
-    q_normed, k_normed = l2norm(q) * dim**-0.5, l2norm(k)
-    out, state, *_ = one_chunk_delta_rule(
-        *map(heads_first, (q_normed, k_normed, v, g, beta)), start
-    )
-    for got, want in ((out.transpose(1, 2), want_out), (state, want_state)):
+    operands = [heads_first(x) for x in (q_normed, k_normed, v, g, beta)]
+    out, state, *_ = one_chunk_delta_rule(*operands, start)
+    want_q, want_k, want_v, want_g, want_beta = (x.double() for x in operands)
+    want_state = start.double()
+    want_out = torch.empty_like(want_v)
+    for t in range(rows):  # S = d S + k (beta (v - d S^T k))^T, o = S^T q, in fp64
+        want_state = want_state * want_g[:, :, t].exp()[..., None, None]
+        k_t = want_k[:, :, t]
+        memory = (want_state * k_t[..., None]).sum(-2)
+        delta = (want_v[:, :, t] - memory) * want_beta[:, :, t, None]
+        want_state = want_state + k_t[..., None] * delta[..., None, :]
+        want_out[:, :, t] = (want_state * want_q[:, :, t, :, None]).sum(-2)
+    for got, want in ((out, want_out), (state, want_state)):
         assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_steps_past_the_score_budget_run_eagerly(
+    tmp_path: Path, get_tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose attention scores would pass MAX_SCORES (long contexts) runs the eager
+    forward, and its replies are transformers' all the same."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here")
+    hf, _ = get_tiny("qwen3_5_text")
+    path = save_checkpoint(hf, tmp_path / "ckpt")
+    engine = LLMEngine(EngineConfig(model=str(path), cache_memory_gib=0.02))
+    graph = engine.runner.prefill_graph
+    assert graph is not None
+    # each prompt one prefill chunk: 4 query heads x 60 tokens x 64 keys (4 pages of 16)
+    first, second = prompt(70, 60), prompt(71, 60)
+    monkeypatch.setattr(prefill_graph, "MAX_SCORES", 4 * 60 * 64 - 1)
+    calls = graph.step.num_calls
+    assert _generate(engine, "past", first)[0] == hf_greedy(hf, first, 12)[0]
+    assert graph.step.num_calls == calls
+    monkeypatch.setattr(prefill_graph, "MAX_SCORES", 4 * 60 * 64)
+    assert _generate(engine, "fits", second)[0] == hf_greedy(hf, second, 12)[0]
+    assert graph.step.num_calls > calls
