@@ -29,19 +29,28 @@ from hybridkv.sched.sampling_params import SamplingParams
 PROMPTS = {"a": prompt(21, 19), "b": prompt(22, 40), "c": prompt(23, 3)}
 
 
+def prefilled(
+    get_tiny: Any, load: Callable[..., Any], prompts: dict[str, list[int]], seed: int
+) -> tuple[PagedRunner, Any]:
+    """A runner over the tiny Qwen3.5 (a poisoned arena scrambled by ``seed``) with
+    ``prompts`` prefilled eagerly, and the graph ``load`` gives over its arena; skipped
+    where packages are off (the eager forward serves every step there)."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here (the eager forward serves every step)")
+    _, lm = get_tiny("qwen3_5_text")
+    runner = PagedRunner(lm.model, lm.spec, seed=seed)
+    graph = load(lm.model, runner.views)
+    assert graph is not None
+    with torch.inference_mode():
+        for req_id, ids in prompts.items():
+            runner.step([(req_id, ids)])
+    return runner, graph
+
+
 @pytest.fixture
 def loaded(get_tiny: Any) -> tuple[PagedRunner, DecodeGraph]:
     """A runner with three prefilled requests, and the decode graph over its arena."""
-    if not ahead_of_time.available() or not compile_enabled():
-        pytest.skip("packages are off here (the eager forward serves every decode)")
-    _, lm = get_tiny("qwen3_5_text")
-    runner = PagedRunner(lm.model, lm.spec, seed=5)
-    graph = load_decode_graph(lm.model, runner.views)
-    assert graph is not None
-    with torch.inference_mode():
-        for req_id, ids in PROMPTS.items():
-            runner.step([(req_id, ids)])
-    return runner, graph
+    return prefilled(get_tiny, load_decode_graph, PROMPTS, seed=5)
 
 
 def _decode(runner: PagedRunner, graph: DecodeGraph | None, work: list[str]) -> torch.Tensor:
@@ -188,9 +197,9 @@ def test_an_engine_decodes_through_the_graph_and_snapshots_after_it(
     first = prompt(31, 40)
     replies, cached = [], []
     for engine in (on, off):
-        reply, _ = _generate(engine, "t1", first)
+        reply, _ = generate(engine, "t1", first)
         follow_up = first + reply + prompt(32, 9)
-        reply2, hit2 = _generate(engine, "t2", follow_up)
+        reply2, hit2 = generate(engine, "t2", follow_up)
         replies.append((reply, reply2))
         cached.append(hit2)
     assert replies[0] == replies[1]
@@ -200,9 +209,11 @@ def test_an_engine_decodes_through_the_graph_and_snapshots_after_it(
     assert on.runner.decode_graph.step.num_calls > 0
 
 
-def _generate(engine: LLMEngine, request_id: str, ids: list[int]) -> tuple[list[int], int]:
-    """(16 greedy tokens, prompt tokens served from the cache)."""
-    engine.add_request(request_id, ids, SamplingParams(max_tokens=16, temperature=0))
+def generate(
+    engine: LLMEngine, request_id: str, ids: list[int], num_tokens: int = 16
+) -> tuple[list[int], int]:
+    """(``num_tokens`` greedy tokens, prompt tokens served from the cache)."""
+    engine.add_request(request_id, ids, SamplingParams(max_tokens=num_tokens, temperature=0))
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hybrid_checks import assert_close, prompt
 from paged_runner import PagedRunner
-from test_decode_graph import _rewinder, _views
+from test_decode_graph import _rewinder, _views, generate, prefilled
 from tiny import hf_greedy, save_checkpoint
 
 from hybridkv.engine import EngineConfig, LLMEngine
@@ -37,16 +37,7 @@ PREFIXES = {"a": prompt(41, 37), "b": prompt(42, 16)}
 @pytest.fixture
 def loaded(get_tiny: Any) -> tuple[PagedRunner, PrefillGraph]:
     """A runner with two requests prefilled eagerly, and the prefill graph over its arena."""
-    if not ahead_of_time.available() or not compile_enabled():
-        pytest.skip("packages are off here (the eager forward serves every prefill)")
-    _, lm = get_tiny("qwen3_5_text")
-    runner = PagedRunner(lm.model, lm.spec, seed=9)
-    graph = load_prefill_graph(lm.model, runner.views)
-    assert graph is not None
-    with torch.inference_mode():
-        for req_id, ids in PREFIXES.items():
-            runner.step([(req_id, ids)])
-    return runner, graph
+    return prefilled(get_tiny, load_prefill_graph, PREFIXES, seed=9)
 
 
 def _snapshot_pages(runner: PagedRunner, count: int) -> list[int]:
@@ -152,10 +143,10 @@ def test_an_engine_prefills_through_the_graph(tmp_path: Path, get_tiny: Any) -> 
     replies, cached = [], []
     for engine in (on, off):
         calls = graph.step.num_calls  # (the engines share the loaded package)
-        reply = _generate(engine, "t1", first)[0]
+        reply = generate(engine, "t1", first, 12)[0]
         assert graph.step.num_calls == calls  # the long prompt ran eagerly
         follow_up = first + reply + prompt(52, 40)
-        reply2, hit2 = _generate(engine, "t2", follow_up)
+        reply2, hit2 = generate(engine, "t2", follow_up, 12)
         replies.append((reply, reply2))
         cached.append(hit2)
     assert replies[0] == replies[1]
@@ -212,16 +203,6 @@ def _noting(run: Any, ran: list[str], mark: str) -> Any:
     return noted
 
 
-def _generate(engine: LLMEngine, request_id: str, ids: list[int]) -> tuple[list[int], int]:
-    """(12 greedy tokens, prompt tokens served from the cache)."""
-    engine.add_request(request_id, ids, SamplingParams(max_tokens=12, temperature=0))
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                return list(out.outputs[0].token_ids), out.num_cached_tokens
-    raise AssertionError("no output")
-
-
 @pytest.mark.parametrize("decay", [1.0, 0.05])
 def test_one_chunk_of_the_longest_prefill_holds_its_precision(decay: float) -> None:
     """The graph's recurrence as one chunk of MAX_TOKENS rows (the eager op's are 16), on a
@@ -271,8 +252,8 @@ def test_steps_past_the_score_budget_run_eagerly(
     first, second = prompt(70, 60), prompt(71, 60)
     monkeypatch.setattr(prefill_graph, "MAX_SCORES", 4 * 60 * 64 - 1)
     calls = graph.step.num_calls
-    assert _generate(engine, "past", first)[0] == hf_greedy(hf, first, 12)[0]
+    assert generate(engine, "past", first, 12)[0] == hf_greedy(hf, first, 12)[0]
     assert graph.step.num_calls == calls
     monkeypatch.setattr(prefill_graph, "MAX_SCORES", 4 * 60 * 64)
-    assert _generate(engine, "fits", second)[0] == hf_greedy(hf, second, 12)[0]
+    assert generate(engine, "fits", second, 12)[0] == hf_greedy(hf, second, 12)[0]
     assert graph.step.num_calls > calls
