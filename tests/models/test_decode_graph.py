@@ -178,21 +178,28 @@ def _name_in(model: torch.nn.Module, module: torch.nn.Module) -> str:
     return next(name for name, sub in model.named_modules() if sub is module)
 
 
+def engines_on_and_off(
+    tmp_path: Path, get_tiny: Any, max_model_len: int
+) -> tuple[Any, LLMEngine, LLMEngine]:
+    """(transformers' tiny Qwen3.5, an engine of its checkpoint with caching on, one with
+    caching off), small caches; skipped where packages are off (no graph to test)."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here")
+    hf, _ = get_tiny("qwen3_5_text")
+    path = save_checkpoint(hf, tmp_path / "ckpt")
+    options = {"model": str(path), "cache_memory_gib": 0.02, "max_model_len": max_model_len}
+    on = LLMEngine(EngineConfig(**options))
+    off = LLMEngine(EngineConfig(enable_prefix_caching=False, **options))
+    return hf, on, off
+
+
 def test_an_engine_decodes_through_the_graph_and_snapshots_after_it(
     tmp_path: Path, get_tiny: Any
 ) -> None:
     """Caching on, a follow-up turn hits the state its previous turn left after its last
     decode (a snapshot the runner copies after the graph), and every reply equals caching
     off's and transformers' greedy tokens."""
-    if not ahead_of_time.available() or not compile_enabled():
-        pytest.skip("packages are off here")
-    hf, _ = get_tiny("qwen3_5_text")
-    path = save_checkpoint(hf, tmp_path / "ckpt")
-    options = {"model": str(path), "cache_memory_gib": 0.02, "max_model_len": 256}
-    on, off = (
-        LLMEngine(EngineConfig(**options)),
-        LLMEngine(EngineConfig(enable_prefix_caching=False, **options)),
-    )
+    hf, on, off = engines_on_and_off(tmp_path, get_tiny, max_model_len=256)
     assert on.runner.decode_graph is not None
     first = prompt(31, 40)
     replies, cached = [], []

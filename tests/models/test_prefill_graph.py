@@ -14,7 +14,7 @@ import pytest
 import torch
 from hybrid_checks import assert_close, prompt
 from paged_runner import PagedRunner
-from test_decode_graph import _rewinder, _views, generate, prefilled
+from test_decode_graph import _rewinder, _views, engines_on_and_off, generate, prefilled
 from tiny import hf_greedy, save_checkpoint
 
 from hybridkv.engine import EngineConfig, LLMEngine
@@ -128,15 +128,7 @@ def test_an_engine_prefills_through_the_graph(tmp_path: Path, get_tiny: Any) -> 
     """Caching on, a follow-up turn prefills its new tokens through the graph (snapshots
     inside it), hits what its previous turn left, and every reply equals caching off's
     (whose long first prompts run eagerly) and transformers' greedy tokens."""
-    if not ahead_of_time.available() or not compile_enabled():
-        pytest.skip("packages are off here")
-    hf, _ = get_tiny("qwen3_5_text")
-    path = save_checkpoint(hf, tmp_path / "ckpt")
-    options = {"model": str(path), "cache_memory_gib": 0.02, "max_model_len": 512}
-    on, off = (
-        LLMEngine(EngineConfig(**options)),
-        LLMEngine(EngineConfig(enable_prefix_caching=False, **options)),
-    )
+    hf, on, off = engines_on_and_off(tmp_path, get_tiny, max_model_len=512)
     graph = on.runner.prefill_graph
     assert graph is not None
     first = prompt(51, 150)  # longer than the graph takes: eager
