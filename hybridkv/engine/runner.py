@@ -225,9 +225,7 @@ class ModelRunner:
             else:
                 return None
         if not prefills:  # a decode step
-            logits = graph(self.build_batch(chunks, manager))
-            self._copy_final_snapshots(chunks, manager)
-            return logits
+            return self._decode_through(graph, chunks, manager)
         assert self.prefill_graph is not None
         prefill_chunks = [chunks[i] for i in prefills]
         prefill_batch = self.build_batch(prefill_chunks, manager)
@@ -236,12 +234,19 @@ class ModelRunner:
         from_prefills = self.prefill_graph(prefill_batch)
         if not decodes:
             return from_prefills
-        decode_chunks = [chunks[i] for i in decodes]
-        from_decodes = graph(self.build_batch(decode_chunks, manager))
-        self._copy_final_snapshots(decode_chunks, manager)
+        from_decodes = self._decode_through(graph, [chunks[i] for i in decodes], manager)
         logits = from_prefills.new_empty(len(chunks), from_prefills.shape[1])
         logits[long_tensor(prefills, self.device)] = from_prefills
         logits[long_tensor(decodes, self.device)] = from_decodes
+        return logits
+
+    def _decode_through(
+        self, graph: DecodeGraph, chunks: list[ScheduledChunk], manager: CacheManager
+    ) -> Tensor:
+        """[chunks, vocab] logits of one-token chunks from the decode graph, their
+        snapshots copied after it."""
+        logits = graph(self.build_batch(chunks, manager))
+        self._copy_final_snapshots(chunks, manager)
         return logits
 
     def _copy_final_snapshots(self, chunks: list[ScheduledChunk], manager: CacheManager) -> None:
@@ -257,19 +262,20 @@ class ModelRunner:
         )
 
 
+def _unspeculated(chunk: ScheduledChunk) -> bool:
+    """Whether a chunk has no drafts or scratch states (what neither graph runs)."""
+    return chunk.num_draft_tokens == 0 and not chunk.allocation.scratch
+
+
 def _one_token(chunk: ScheduledChunk) -> bool:
     """Whether a chunk may run the decode graph: one token, no drafts or scratch states."""
-    return chunk.num_tokens == 1 and chunk.num_draft_tokens == 0 and not chunk.allocation.scratch
+    return chunk.num_tokens == 1 and _unspeculated(chunk)
 
 
 def _short_prefill(chunk: ScheduledChunk) -> bool:
     """Whether a chunk may run the prefill graph: at most ``prefill_graph.MAX_TOKENS``
     tokens, no drafts or scratch states."""
-    return (
-        chunk.num_tokens <= prefill_graph.MAX_TOKENS
-        and chunk.num_draft_tokens == 0
-        and not chunk.allocation.scratch
-    )
+    return chunk.num_tokens <= prefill_graph.MAX_TOKENS and _unspeculated(chunk)
 
 
 def page_tables(
