@@ -150,6 +150,12 @@ class EngineConfig:
         seed: seeds the sampling of requests without a seed of their own.
         poison_cache: fill the arena with 0xFF bytes (NaN in every float dtype) at start,
             so a read of cache memory nobody wrote shows up as NaN logits (tests, debugging).
+        decode_burst: greedy decode steps one scheduling round may run back to back
+            through the decode graph, each feeding its tokens to the next
+            (hybridkv.engine.decode_burst; vLLM v0's num_scheduler_steps): the round's
+            Python is paid once for all of them. Only when every running request decodes
+            plain greedily and nobody waits; a stop inside a burst ends its request there,
+            and a request arriving during a burst waits for its end. 1: off.
         speculative_config: speculative decoding, vLLM's dict (``{"method": "ngram",
             "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model": DIR,
             ...}``, see :class:`SpeculativeConfig`); None: off.
@@ -185,6 +191,7 @@ class EngineConfig:
     retention_interval: int | None = None
     seed: int = 0
     poison_cache: bool = field(default=False, metadata={"cli": False})
+    decode_burst: int = field(default=8, metadata={"aliases": ("--num-scheduler-steps",)})
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata={"metavar": "JSON", "parse": json_object_arg}
     )
@@ -193,7 +200,7 @@ class EngineConfig:
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         for name in ("max_model_len", "max_num_batched_tokens"):
             _check_positive_int(name, getattr(self, name), allow_none=True)
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "decode_burst"):
             _check_positive_int(name, getattr(self, name))
         self._check_memory()
         for name, allowed in (

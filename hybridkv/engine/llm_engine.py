@@ -33,6 +33,7 @@ from hybridkv.engine.config import (
     EngineConfig,
     loader_cache_dtype,
 )
+from hybridkv.engine.decode_burst import BurstTokens, plan_burst
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.gc_heap import collector_paused, freeze_startup_heap
 from hybridkv.engine.generation_defaults import default_sampling
@@ -42,7 +43,7 @@ from hybridkv.engine.logits_processors import RowContext
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hybridkv.engine.prompt_logprobs import chunk_prompt_logprobs
 from hybridkv.engine.runner import ModelRunner, StepLogits
-from hybridkv.engine.sampler import SampledToken, SamplingFailure, sample
+from hybridkv.engine.sampler import SampledToken, SamplingFailure, is_plain_greedy, sample
 from hybridkv.engine.spec_decode.rejection import verify
 from hybridkv.engine.spec_decode.setup import SpeculativeSetup
 from hybridkv.engine.spec_decode.speculator import SpecDecodeStats
@@ -204,6 +205,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self.num_burst_forwards = 0  # forwards of decode bursts past each round's first
 
     @classmethod
     def from_model(cls, model: str, **options: Any) -> LLMEngine:
@@ -342,6 +344,13 @@ class LLMEngine:
         outputs = self._drain_inbox()
         if self.speculator is not None:
             self.speculator.plan(self.scheduler.running, self._draft_limit)
+        elif self.runner.bursts and not self.scheduler.waiting:
+            plan_burst(
+                self.scheduler.running,
+                self.config.decode_burst,
+                self.max_model_len,
+                lambda seq: is_plain_greedy(self._row_context(seq)),
+            )
         sched = self.scheduler.schedule()
         if self.speculator is not None:
             for seq in sched.preempted:
@@ -363,8 +372,12 @@ class LLMEngine:
                 logits = self.runner.execute(
                     sched.chunks, self.manager, self._prompt_logit_chunks(sched.chunks)
                 )
-                self._record_prompt_logprobs(sched.chunks, logits, touched)
-                sampled = self._sample(sched.chunks, logits.last)
+                if isinstance(logits, BurstTokens):
+                    sampled = logits.sampled(sched.chunks)
+                    self.num_burst_forwards += max(c.num_burst_tokens for c in sched.chunks)
+                else:
+                    self._record_prompt_logprobs(sched.chunks, logits, touched)
+                    sampled = self._sample(sched.chunks, logits.last)
                 if self.speculator is not None:  # what verification costs, measured
                     self.speculator.observe_step(sched.chunks, time.perf_counter() - started)
             except Exception as exc:  # never leave sequences holding pages after a crash
@@ -644,6 +657,7 @@ class LLMEngine:
             "requests_finished_by_reason": dict(self.finished_by_reason),
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "num_burst_forwards": self.num_burst_forwards,
             "prompt_tokens": self.num_prompt_tokens,
             "generation_tokens": self.num_generated_tokens,
             "prefix_cache_queries": queries,

@@ -18,6 +18,8 @@ run, and its prefill chunks through the prefill graph (hybridkv.models.prefill_g
 which takes their snapshots inside (the prefill graph is loaded only beside a decode
 graph). Any other step (a longer chunk, drafts, prompt log-probabilities, more attention
 scores than ``prefill_graph.MAX_SCORES``) runs the eager forward over all its rows.
+A round of decode bursts (hybridkv.engine.decode_burst) runs its decodes through the
+decode graph several times, and returns their tokens instead of logits.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from hybridkv.core.ids import NULL_PAGE, ReqId
 from hybridkv.core.layout import ArenaLayout
 from hybridkv.core.manager import CacheManager, StateCopy
 from hybridkv.core.spec import GroupSpec, ModelSpec
+from hybridkv.engine.decode_burst import BurstTokens, run_burst
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.models import prefill_graph
@@ -126,9 +129,9 @@ class ModelRunner:
         positions: list[int] = []
         starts = [0]
         computed: list[int] = []
-        for chunk in chunks:
+        for chunk in chunks:  # a burst's chunk: its one known token (decode_burst)
             ids += chunk.token_ids
-            positions += range(chunk.start, chunk.end)
+            positions += range(chunk.start, chunk.end - chunk.num_burst_tokens)
             starts.append(len(ids))
             computed.append(chunk.start)
         seq_ids = [c.seq.seq_id for c in chunks]
@@ -163,6 +166,8 @@ class ModelRunner:
         wanted: dict[int, tuple[list[int], list[int]]] = {}
         own = {g.group_id for g in self.groups}  # a draft model's states: its proposer's
         for chunk, first_row in zip(chunks, starts, strict=False):
+            if chunk.num_burst_tokens:  # copied after the burst's forwards (decode_burst)
+                continue
             for snap in (*chunk.allocation.snapshots, *chunk.allocation.scratch):
                 if snap.group_id not in own:
                     continue
@@ -178,18 +183,31 @@ class ModelRunner:
             for gid, (rows, pages) in wanted.items()
         }
 
+    @property
+    def bursts(self) -> bool:
+        """Whether decode bursts can run now: the decode graph is loaded and on."""
+        return self.decode_graph is not None and compile_enabled()
+
     @torch.inference_mode()
     def execute(
         self, chunks: list[ScheduledChunk], manager: CacheManager, all_rows: Collection[int] = ()
-    ) -> StepLogits:
+    ) -> StepLogits | BurstTokens:
         """Run the step: logits at each chunk's last token (a speculative chunk: its last
         token and every draft, ``1 + num_draft_tokens`` rows in order), and at every token
-        of the chunks in ``all_rows`` (prompt log-probabilities need them).
+        of the chunks in ``all_rows`` (prompt log-probabilities need them). A burst round
+        (a chunk with ``num_burst_tokens``; all its chunks are decodes): the tokens of all
+        its forwards instead.
 
         Inference mode, not just no_grad: no view or version-counter tracking per op, which
         made a batch-8 decode step of the small Qwen3-Next 16.1-16.9 -> 14.9-15.0 ms (2
         interleaved pairs; ~2,300 ops a step, so per-op overhead is most of it)."""
         self.copy_pages(c for chunk in chunks for c in chunk.allocation.restores)
+        if any(c.num_burst_tokens for c in chunks):
+            assert self.decode_graph is not None and self.bursts, "bursts need the decode graph"
+            assert not all_rows and all(c.known_end - c.start == 1 for c in chunks)
+            own = {g.group_id for g in self.groups}
+            batch = self.build_batch(chunks, manager)
+            return run_burst(self.decode_graph, batch, chunks, manager, self.copy_pages, own)
         logits = None if all_rows else self._run_graphs(chunks, manager)
         if logits is not None:
             return StepLogits(logits, {})

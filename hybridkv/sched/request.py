@@ -48,6 +48,9 @@ class Sequence:
     # decode), and the draft tokens themselves, filled in once the step is scheduled.
     num_draft_tokens: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    # A decode burst: tokens the engine wants the next step to produce after the first by
+    # feeding its own samples back (0: one token; see Scheduler, "Decode bursts").
+    num_burst_tokens: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -28,6 +28,18 @@ token and that many drafts as one chunk (they count against the token budget), w
 scratch state per draft (``allocate(num_speculative_tokens=)``); if that does not fit it
 runs a plain decode instead: speculation never preempts anyone.
 
+Decode bursts: a decoding sequence the engine gave ``num_burst_tokens`` runs as a chunk of
+``1 + num_burst_tokens`` positions of which only the first token is known; the step feeds
+each token it samples back as the next position's input (the engine's runner, through its
+decode graph), so one scheduling round produces that many tokens more. The chunk takes the
+pages of all its positions up front (cut at the next split, like a prefill chunk) and
+counts one token against the budget, since each forward of the burst computes one token of
+it; if the pages do not fit it runs a plain decode instead. A round holding a burst
+admits nobody: every chunk of it is a decode, the shape the burst's forwards run, and a
+waiting sequence (only a preempted one: the engine bursts only with nobody waiting) joins
+a round later. The step keeps every sampled token up to a stop; a burst is only ever cut
+short by its sequence finishing, so the state past the kept tokens is never used.
+
 Admission allocates the sequence's live state page up front, so a sequence is only ever
 admitted when its state fits, and running sequences make progress or are preempted: the
 loop cannot deadlock. A sequence that does not fit even with nothing else running is
@@ -51,7 +63,8 @@ from hybridkv.sched.request import Sequence, SequenceStatus
 @dataclass(frozen=True, slots=True)
 class ScheduledChunk:
     """``num_tokens`` tokens of ``seq`` starting at ``start`` run in this step; the last
-    ``num_draft_tokens`` of them are drafts (``seq.draft_token_ids``) to verify."""
+    ``num_draft_tokens`` of them are drafts (``seq.draft_token_ids``) to verify, or the
+    last ``num_burst_tokens`` are tokens the step samples itself (a decode burst)."""
 
     seq: Sequence
     start: int
@@ -59,6 +72,7 @@ class ScheduledChunk:
     allocation: Allocation
     samples: bool  # the chunk reaches the end of the known tokens: sample the next one
     num_draft_tokens: int = 0
+    num_burst_tokens: int = 0
 
     @property
     def end(self) -> int:
@@ -66,8 +80,8 @@ class ScheduledChunk:
 
     @property
     def known_end(self) -> int:
-        """End of the sequence's own tokens in the chunk (the drafts follow)."""
-        return self.end - self.num_draft_tokens
+        """End of the sequence's own tokens in the chunk (drafts or a burst's follow)."""
+        return self.end - self.num_draft_tokens - self.num_burst_tokens
 
     @property
     def token_ids(self) -> list[int]:
@@ -139,7 +153,9 @@ class Scheduler:
             chunk = self._schedule_running(seq, budget, out)
             if chunk is not None:
                 out.chunks.append(chunk)
-                budget -= chunk.num_tokens
+                budget -= chunk.num_tokens - chunk.num_burst_tokens
+        if any(c.num_burst_tokens for c in out.chunks):
+            return out  # a burst round admits nobody (module doc)
         index = 0  # the first waiting sequence not passed over this step
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[index]
@@ -184,6 +200,11 @@ class Scheduler:
             alloc = self.manager.allocate(seq.seq_id, n, num_speculative_tokens=drafts)
             if alloc is not None:
                 return ScheduledChunk(seq, start, n, alloc, True, drafts)
+        if seq.num_burst_tokens > 0 and start == seq.num_tokens - 1:
+            end = self.manager.next_split(seq.seq_id, start, start + 1 + seq.num_burst_tokens)
+            alloc = self.manager.allocate(seq.seq_id, end - start)
+            if alloc is not None:
+                return ScheduledChunk(seq, start, end - start, alloc, True, 0, end - start - 1)
         end = self._chunk_end(seq, start, budget)
         while True:
             alloc = self.manager.allocate(seq.seq_id, end - start)
@@ -201,6 +222,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.num_computed = 0
         seq.num_draft_tokens = 0
+        seq.num_burst_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -244,11 +266,13 @@ class Scheduler:
 
         After a speculative chunk those are the drafts it kept, then the token that
         followed them; the cache keeps the tokens up to the last of them, and the state
-        after exactly that many (the manager rolls the rest back).
+        after exactly that many (the manager rolls the rest back). After a burst, the
+        tokens it kept (all of them unless the sequence stopped).
         """
         seq = chunk.seq
         new = seq.all_token_ids[chunk.known_end :] if chunk.samples else []
         seq.num_computed = chunk.known_end - 1 + len(new) if new else chunk.known_end
         seq.num_draft_tokens = 0
+        seq.num_burst_tokens = 0
         seq.draft_token_ids = []
         self.manager.commit(seq.seq_id, seq.num_computed, new)

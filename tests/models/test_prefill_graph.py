@@ -182,7 +182,8 @@ def test_a_step_of_decodes_and_prefills_runs_both_graphs(
             steps.append("".join(sorted(ran)))
         for request_id, ids in prompts.items():
             assert replies[request_id] == hf_greedy(hf, ids, 6)[0], request_id
-        assert "dp" in steps and "d" in steps, steps  # mixed steps, then decodes alone
+        assert "dp" in steps, steps  # mixed steps
+        assert any(set(s) == {"d"} for s in steps), steps  # then decodes alone (bursts)
 
 
 def _noting(run: Any, ran: list[str], mark: str) -> Any:
