@@ -385,3 +385,90 @@ def test_the_manager_expects_the_waiting_sequences_up_to_the_free_seats() -> Non
     run_step(sched)  # 3 waiting, 2 seats
     run_step(sched)  # 1 waiting, no seat
     assert expected == [2, 0]
+
+
+def burst(s: Sequence, num_tokens: int) -> None:
+    """What the engine does before scheduling a burst round (hybridkv.engine.decode_burst)."""
+    s.num_burst_tokens = num_tokens
+
+
+def test_a_burst_takes_the_pages_of_its_positions_and_counts_one_token() -> None:
+    mgr = make_manager(num_chunks=16)
+    sched = scheduler(mgr)
+    a, b = seq("a", 5), seq("b", 6)
+    for s in (a, b):
+        sched.add(s)
+    run_step(sched)  # prefilled, one token sampled each
+    burst(a, 3)
+    burst(b, 3)
+    sched.max_num_batched_tokens = 2
+    out = sched.schedule()  # a budget of 2 tokens: one per burst
+    assert [(c.seq.seq_id, c.start, c.num_tokens, c.num_burst_tokens) for c in out.chunks] == [
+        ("a", 5, 4, 3),
+        ("b", 6, 4, 3),
+    ]
+    chunk = out.chunks[0]
+    assert (chunk.known_end, chunk.token_ids) == (6, [SAMPLED])
+    assert [s.position for s in chunk.allocation.snapshots] == [8]  # block 4, inside the burst
+    assert len(mgr.block_table(a.seq_id, 0)) == 3  # 9 positions at 4 tokens a page
+    for c in out.chunks:
+        c.seq.output_token_ids += [1, 2, 3, 4]
+        sched.advance(c)
+    assert (a.num_computed, a.num_tokens, a.num_burst_tokens) == (9, 10, 0)
+    assert mgr.num_computed_tokens(a.seq_id) == 9
+    assert mgr._reqs[a.seq_id].tokens == a.all_token_ids
+    mgr.check_integrity()
+
+
+def test_a_burst_round_admits_nobody_and_the_next_round_does() -> None:
+    mgr = make_manager(num_chunks=16)
+    sched = scheduler(mgr)
+    a, c = seq("a", 5), seq("c", 3)
+    sched.add(a)
+    run_step(sched)
+    sched.add(c)  # a preempted sequence, say: the engine bursts only with nobody waiting
+    burst(a, 2)
+    out = sched.schedule()
+    assert [(x.seq.seq_id, x.num_tokens) for x in out.chunks] == [("a", 3)]
+    assert list(sched.waiting) == [c]
+    a.output_token_ids += [1, 2, 3]
+    sched.advance(out.chunks[0])
+    assert work(run_step(sched)) == [("a", 8, 1), ("c", 0, 3)]
+
+
+def test_a_burst_cut_short_by_a_stop_keeps_its_tokens_and_drops_later_snapshots() -> None:
+    """A stop inside a burst: the step keeps the tokens up to it and finishes the sequence;
+    the snapshot reserved past them is never published."""
+    mgr = make_manager(num_chunks=16)
+    sched = scheduler(mgr)
+    a = seq("a", 5)
+    sched.add(a)
+    run_step(sched)
+    taken = mgr.usage().snapshots_taken  # the prompt's
+    burst(a, 5)  # positions 5..10: a snapshot due at 8
+    [chunk] = sched.schedule().chunks
+    assert [s.position for s in chunk.allocation.snapshots] == [8]
+    a.output_token_ids += [1, 2]  # a stop at the burst's second token
+    sched.advance(chunk)
+    assert (a.num_computed, mgr.num_computed_tokens(a.seq_id)) == (7, 7)
+    sched.finish(a, "stop")
+    assert mgr.usage().snapshots_taken == taken  # 8 was past the kept tokens: dropped
+    mgr.check_integrity()
+
+
+def test_a_burst_that_does_not_fit_decodes_plainly_and_preempts_nobody() -> None:
+    mgr = make_manager(num_chunks=3, caching=False)
+    sched = scheduler(mgr)
+    a, b = seq("a", 7), seq("b", 7)
+    for s in (a, b):
+        sched.add(s)
+    run_step(sched)  # both prefilled: 2 KV pages each, 2 of the 6 left
+    burst(a, 12)  # 13 positions from 7: 3 more KV pages
+    burst(b, 1)  # 2 positions: fits
+    out = sched.schedule()
+    assert [(c.seq.seq_id, c.num_tokens, c.num_burst_tokens) for c in out.chunks] == [
+        ("a", 1, 0),
+        ("b", 2, 1),
+    ]
+    assert out.preempted == []
+    mgr.check_integrity()
