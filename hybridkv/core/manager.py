@@ -303,6 +303,21 @@ class CacheManager:
         )
         return positions[0] if positions else end
 
+    def burst_end(self, req_id: ReqId, start: int, end: int) -> int:
+        """Where a decode burst of a running request from ``start`` ends: ``end``, or just
+        before the first snapshot position past ``start + 1`` inside it.
+
+        A burst keeps at least its first token (the state after ``start + 1`` tokens)
+        and the rest only up to a stop it cannot see coming. Reserving a later position
+        may take the page of the request's parked snapshot (``reuse_superseded_page``),
+        which a stop short of that position would then lose with the new one; ending
+        the burst before it makes that position the next round's first token instead.
+        """
+        if not (self.config.enable_prefix_caching and self.recurrent):
+            return end
+        positions = self._snapshot_positions(self._reqs[req_id], start + 1, end)
+        return positions[0] - 1 if positions else end
+
     def allocate(
         self,
         req_id: ReqId,

@@ -11,8 +11,8 @@ scheduling, ``num_scheduler_steps``, did this for the same reason).
 
 When (:func:`plan_burst`): every running sequence decodes, is plain greedy (its token is
 its raw argmax: no processors, penalties, grammar or logprobs, the sampler's
-``is_plain_greedy``) and nobody waits (a burst round admits nobody, so a waiting request
-would wait a burst). Each sequence's burst stops where it must stop anyway: its
+``is_plain_greedy``) and nobody waits who could be admitted (a burst round admits nobody;
+with every seat taken nobody could be). Each sequence's burst stops where it must stop anyway: its
 ``max_tokens`` and ``max_model_len``. It still runs past a stop token or string, which
 only the tokens show: the engine keeps the tokens up to the stop and finishes the
 sequence, so the state and KV computed past it are never used (the manager drops the
@@ -21,7 +21,17 @@ snapshots reserved past the kept tokens).
 Exactness: each forward is the decode graph's, on the same inputs a plain decode step
 gives it (the token, its position, the tables and the live page); the argmax is the one
 ``greedy_batch`` takes; the snapshots inside a burst are the live page copied right
-after the forward of their position, as a plain decode step copies them.
+after the forward of their position, as a plain decode step copies them. What may
+differ is the rows beside a request: one that stopped inside the burst stays in the batch
+to its last forward, and the graph's matmuls may round a row differently at another batch
+size (hybridkv.models.decode_graph), so replies equal one-token steps' up to that
+rounding (exactly, in the engine tests). A burst ends before any snapshot position past
+its first token (``CacheManager.burst_end``), so a stop inside it never costs the
+request's last snapshot.
+
+Costs: the tokens of a burst reach the client together, and the server's inter-token
+latency sees one gap per burst; a request arriving during a burst waits for its end
+(at most ``decode_burst - 1`` forwards) to be admitted.
 """
 
 from __future__ import annotations
@@ -46,23 +56,22 @@ def plan_burst(
     max_burst: int,
     max_model_len: int,
     plain_greedy: Callable[[Sequence], bool],
-) -> bool:
+) -> None:
     """Give every running sequence its ``num_burst_tokens`` for the next round (module doc:
-    all or none); whether any got one. ``max_burst``: tokens a round may produce per
-    sequence (1: no bursts)."""
+    all or none; a sequence the last round skipped loses what it had). ``max_burst``:
+    tokens a round may produce per sequence (1: no bursts)."""
     seqs = list(running)
-    if max_burst <= 1 or not seqs:
-        return False
+    for seq in seqs:
+        seq.num_burst_tokens = 0
+    if max_burst <= 1:
+        return
     if not all(s.num_computed == s.num_tokens - 1 and plain_greedy(s) for s in seqs):
-        return False
-    planned = False
+        return
     for seq in seqs:
         room = max_model_len - seq.num_tokens  # tokens it may still produce
         if seq.params.max_tokens is not None:
             room = min(room, seq.params.max_tokens - seq.num_outputs)
         seq.num_burst_tokens = max(0, min(max_burst, room) - 1)
-        planned = planned or seq.num_burst_tokens > 0
-    return planned
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,17 +85,27 @@ class BurstTokens:
 
     def sampled(
         self, chunks: list[ScheduledChunk]
-    ) -> dict[int, list[SampledToken] | SamplingFailure]:
-        """The engine's per-chunk samples: the tokens in order, or a failure of the
-        sequence if any of its forwards had no token (its request ends there)."""
+    ) -> tuple[dict[int, list[SampledToken] | SamplingFailure], set[int]]:
+        """(the engine's per-chunk samples, the chunks whose sampling failed after them).
+
+        A chunk's tokens up to its first forward without a token: all of them, or a
+        failure if the first had none. If a later one had none, the tokens before it are
+        its samples and the chunk is in the set: its sequence fails after them unless
+        they stop it (as one-token steps would have given them, then failed).
+        """
         results: dict[int, list[SampledToken] | SamplingFailure] = {}
+        failed: set[int] = set()
         for i, chunk in enumerate(chunks):
             width = 1 + chunk.num_burst_tokens
-            if not all(self.finite[i][:width]):
+            good = self.finite[i][:width]
+            kept = good.index(False) if not all(good) else width
+            if kept == 0:
                 results[i] = SamplingFailure(NO_TOKEN_ALLOWED)
                 continue
-            results[i] = [SampledToken(t, None, []) for t in self.tokens[i][:width]]
-        return results
+            results[i] = [SampledToken(t, None, []) for t in self.tokens[i][:kept]]
+            if kept < width:
+                failed.add(i)
+        return results, failed
 
 
 def run_burst(
@@ -120,7 +139,7 @@ def run_burst(
             index = long_tensor(rows, device)
             tables = [t[index] for t in _tables(batch, graph)]
             pages = [p[index] for p in _pages(batch, graph)]
-            fresh = fresh[: len(rows)]  # all False after the first forward
+            fresh = torch.zeros(len(rows), dtype=torch.bool, device=device)  # written now
             positions = batch.positions[index] + j
             ids = tokens[index, j - 1]
         logits = graph.run(ids, positions, tables, pages, fresh)

@@ -21,6 +21,7 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,7 @@ from hybridkv.engine.config import (
     EngineConfig,
     loader_cache_dtype,
 )
-from hybridkv.engine.decode_burst import BurstTokens, plan_burst
+from hybridkv.engine.decode_burst import plan_burst
 from hybridkv.engine.detokenizer import IncrementalDetokenizer
 from hybridkv.engine.gc_heap import collector_paused, freeze_startup_heap
 from hybridkv.engine.generation_defaults import default_sampling
@@ -43,7 +44,13 @@ from hybridkv.engine.logits_processors import RowContext
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from hybridkv.engine.prompt_logprobs import chunk_prompt_logprobs
 from hybridkv.engine.runner import ModelRunner, StepLogits
-from hybridkv.engine.sampler import SampledToken, SamplingFailure, is_plain_greedy, sample
+from hybridkv.engine.sampler import (
+    NO_TOKEN_ALLOWED,
+    SampledToken,
+    SamplingFailure,
+    is_plain_greedy,
+    sample,
+)
 from hybridkv.engine.spec_decode.rejection import verify
 from hybridkv.engine.spec_decode.setup import SpeculativeSetup
 from hybridkv.engine.spec_decode.speculator import SpecDecodeStats
@@ -56,7 +63,7 @@ from hybridkv.engine.startup import (
     read_chat_template,
     weight_memory_limit,
 )
-from hybridkv.engine.stopping import final_text, update_and_check
+from hybridkv.engine.stopping import append_and_check, final_text
 from hybridkv.engine.structured_output import GrammarMatcher, StructuredOutputManager
 from hybridkv.models.loader import load_model
 from hybridkv.models.tokenizer import Tokenizer
@@ -344,10 +351,10 @@ class LLMEngine:
         outputs = self._drain_inbox()
         if self.speculator is not None:
             self.speculator.plan(self.scheduler.running, self._draft_limit)
-        elif self.runner.bursts and not self.scheduler.waiting:
+        else:
             plan_burst(
                 self.scheduler.running,
-                self.config.decode_burst,
+                self.config.decode_burst if self._may_burst() else 1,
                 self.max_model_len,
                 lambda seq: is_plain_greedy(self._row_context(seq)),
             )
@@ -369,13 +376,15 @@ class LLMEngine:
                 started = time.perf_counter()
                 if self.speculator is not None:
                     self.speculator.fill(sched.chunks)
-                logits = self.runner.execute(
-                    sched.chunks, self.manager, self._prompt_logit_chunks(sched.chunks)
-                )
-                if isinstance(logits, BurstTokens):
-                    sampled = logits.sampled(sched.chunks)
+                failed_after: set[int] = set()
+                if any(c.num_burst_tokens for c in sched.chunks):
+                    burst = self.runner.execute_burst(sched.chunks, self.manager)
+                    sampled, failed_after = burst.sampled(sched.chunks)
                     self.num_burst_forwards += max(c.num_burst_tokens for c in sched.chunks)
                 else:
+                    logits = self.runner.execute(
+                        sched.chunks, self.manager, self._prompt_logit_chunks(sched.chunks)
+                    )
                     self._record_prompt_logprobs(sched.chunks, logits, touched)
                     sampled = self._sample(sched.chunks, logits.last)
                 if self.speculator is not None:  # what verification costs, measured
@@ -388,7 +397,7 @@ class LLMEngine:
                     self.scheduler.finish(chunk.seq, "abort")
                     touched[req.request_id] = req
             else:
-                self._postprocess(sched.chunks, sampled, touched)
+                self._postprocess(sched.chunks, sampled, touched, failed_after)
         for req in touched.values():
             if req.finished:
                 outputs.append(self._finish_request(req))
@@ -453,6 +462,14 @@ class LLMEngine:
                 results[i] = SamplingFailure(str(exc))
         return results
 
+    def _may_burst(self) -> bool:
+        """Whether this round may run decode bursts (hybridkv.engine.decode_burst): the
+        decode graph is on, and nobody waits who could be admitted (a burst round admits
+        nobody; with every seat taken nobody could be)."""
+        scheduler = self.scheduler
+        seats_taken = len(scheduler.running) >= scheduler.max_num_seqs
+        return self.runner.bursts and (not scheduler.waiting or seats_taken)
+
     def _draft_limit(self, seq: Sequence) -> int:
         """Drafts a sequence may verify in one step: none under a grammar (its mask after
         a draft would need the matcher advanced through it); never past max_model_len
@@ -486,7 +503,11 @@ class LLMEngine:
         chunks: list[ScheduledChunk],
         sampled: dict[int, list[SampledToken] | SamplingFailure],
         touched: dict[str, _Request],
+        failed_after: Collection[int] = (),
     ) -> None:
+        """Append each chunk's samples up to a stop and advance it; a chunk in
+        ``failed_after`` (a burst's forward without a token after them) then fails its
+        sequence unless they stopped it."""
         now = time.monotonic()
         for i, chunk in enumerate(chunks):
             seq = chunk.seq
@@ -508,42 +529,50 @@ class LLMEngine:
                 else:
                     self.speculator.record_plain(chunk, tokens[0].token_id)
             req.metrics.record_token(now)
-            stop = None
-            for token in tokens:  # kept drafts, then the next token; a stop ends them
-                seq.output_token_ids.append(token.token_id)
-                self.num_generated_tokens += 1
+            kept, stop = self._append(seq, req, [t.token_id for t in tokens])
+            self.num_generated_tokens += kept
+            for token in tokens[:kept]:  # kept drafts or a burst's tokens, up to a stop
                 self._record_logprobs(seq, token)
-                stop = self._check_stop(seq, req, token.token_id)
-                if stop is not None:
-                    break
+            if stop is None and i in failed_after:
+                req.error = f"sampling failed for this request: {NO_TOKEN_ALLOWED}"
+                stop = ("abort", None)
             self.scheduler.advance(chunk)
             if stop is not None:
                 self.scheduler.finish(seq, *stop)
             touched[req.request_id] = req
 
-    def _check_stop(
-        self, seq: Sequence, req: _Request, token_id: int
-    ) -> tuple[str, int | str | None] | None:
-        """Stop rules after ``token_id`` was appended, then the grammar's accept."""
+    def _append(
+        self, seq: Sequence, req: _Request, token_ids: list[int]
+    ) -> tuple[int, tuple[str, int | str | None] | None]:
+        """Append the step's tokens to ``seq`` up to a stop: (how many, the stop or None).
+        The stop rules, then under a grammar its accept of each token."""
         detokenizer = self._detokenizer(seq, req)
-        stop = update_and_check(
-            seq,
-            token_id,
-            detokenizer=detokenizer,
-            eos_token_ids=self.eos_token_ids,
-            max_model_len=self.max_model_len,
-        )
+
+        def check(ids: list[int]) -> tuple[int, tuple[str, int | str | None] | None]:
+            return append_and_check(
+                seq,
+                ids,
+                detokenizer=detokenizer,
+                eos_token_ids=self.eos_token_ids,
+                max_model_len=self.max_model_len,
+            )
+
         matcher = req.matchers[seq.index] if req.matchers else None
-        if stop is None and matcher is not None:
+        if matcher is None:
+            return check(token_ids)
+        for count, token_id in enumerate(token_ids, 1):  # one: a grammar's rows never
+            _, stop = check([token_id])  # speculate nor burst
+            if stop is not None:
+                return count, stop
             try:
                 matcher.accept(token_id)
             except ValueError as exc:
                 req.error = f"sampling failed for this request: {exc}"
-                return ("abort", None)
+                return count, ("abort", None)
             if matcher.is_finished:  # the grammar is complete: nothing may follow
                 seq.text = final_text(detokenizer)
-                return ("stop", None)
-        return stop
+                return count, ("stop", None)
+        return len(token_ids), None
 
     def _detokenizer(self, seq: Sequence, req: _Request) -> IncrementalDetokenizer | None:
         """The sequence's detokenizer, made at its first sampled token; None without a

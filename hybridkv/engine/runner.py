@@ -92,6 +92,8 @@ class ModelRunner:
             arena = torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
         self.views = CacheViews(spec, layout, arena)
         self.groups = [g for g in spec.groups if not g.is_draft]  # the draft runs elsewhere
+        # the groups whose captures this runner writes (a draft model's: its proposer's)
+        self.own_groups = {g.group_id for g in self.groups}
         self.num_page_copies = 0
         # the forward of one-token rows and of short prefill chunks, where the model has
         # them (loaded at warm-up; the prefill graph only beside a decode graph)
@@ -164,12 +166,11 @@ class ModelRunner:
         (every checkpoint inside a prefill chunk; the state after each draft, of which
         ``CacheManager.commit`` keeps one, and drops a snapshot past the kept tokens)."""
         wanted: dict[int, tuple[list[int], list[int]]] = {}
-        own = {g.group_id for g in self.groups}  # a draft model's states: its proposer's
         for chunk, first_row in zip(chunks, starts, strict=False):
             if chunk.num_burst_tokens:  # copied after the burst's forwards (decode_burst)
                 continue
             for snap in (*chunk.allocation.snapshots, *chunk.allocation.scratch):
-                if snap.group_id not in own:
+                if snap.group_id not in self.own_groups:
                     continue
                 assert chunk.start < snap.position <= chunk.end, (snap, chunk)
                 rows, pages = wanted.setdefault(snap.group_id, ([], []))
@@ -191,23 +192,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, chunks: list[ScheduledChunk], manager: CacheManager, all_rows: Collection[int] = ()
-    ) -> StepLogits | BurstTokens:
+    ) -> StepLogits:
         """Run the step: logits at each chunk's last token (a speculative chunk: its last
         token and every draft, ``1 + num_draft_tokens`` rows in order), and at every token
-        of the chunks in ``all_rows`` (prompt log-probabilities need them). A burst round
-        (a chunk with ``num_burst_tokens``; all its chunks are decodes): the tokens of all
-        its forwards instead.
+        of the chunks in ``all_rows`` (prompt log-probabilities need them).
 
         Inference mode, not just no_grad: no view or version-counter tracking per op, which
         made a batch-8 decode step of the small Qwen3-Next 16.1-16.9 -> 14.9-15.0 ms (2
         interleaved pairs; ~2,300 ops a step, so per-op overhead is most of it)."""
         self.copy_pages(c for chunk in chunks for c in chunk.allocation.restores)
-        if any(c.num_burst_tokens for c in chunks):
-            assert self.decode_graph is not None and self.bursts, "bursts need the decode graph"
-            assert not all_rows and all(c.known_end - c.start == 1 for c in chunks)
-            own = {g.group_id for g in self.groups}
-            batch = self.build_batch(chunks, manager)
-            return run_burst(self.decode_graph, batch, chunks, manager, self.copy_pages, own)
         logits = None if all_rows else self._run_graphs(chunks, manager)
         if logits is not None:
             return StepLogits(logits, {})
@@ -226,6 +219,17 @@ class ModelRunner:
             last += range(at + width - verified, at + width)
             at += width
         return StepLogits(logits[last], rows)
+
+    @torch.inference_mode()
+    def execute_burst(self, chunks: list[ScheduledChunk], manager: CacheManager) -> BurstTokens:
+        """Run a round of decode bursts (its chunks all decodes, some with
+        ``num_burst_tokens``) through the decode graph: the tokens of all its forwards."""
+        assert self.decode_graph is not None and self.bursts, "bursts need the decode graph"
+        assert all(c.known_end - c.start == 1 and _unspeculated(c) for c in chunks), chunks
+        batch = self.build_batch(chunks, manager)
+        return run_burst(
+            self.decode_graph, batch, chunks, manager, self.copy_pages, self.own_groups
+        )
 
     def _run_graphs(self, chunks: list[ScheduledChunk], manager: CacheManager) -> Tensor | None:
         """The step's logits [chunks, vocab] from the model's graphs (module doc), or None
@@ -271,12 +275,11 @@ class ModelRunner:
         """The snapshots of a decode step's chunks, each taken after its one token: the live
         state page, which the graph has just updated, copied whole into the snapshot's page
         (what the eager forward's capture after a request's last row writes)."""
-        own = {g.group_id for g in self.groups}
         self.copy_pages(
             StateCopy(snap.group_id, manager.live_page(chunk.seq.seq_id, snap.group_id), snap.page)
             for chunk in chunks
             for snap in chunk.allocation.snapshots
-            if snap.group_id in own
+            if snap.group_id in self.own_groups
         )
 
 

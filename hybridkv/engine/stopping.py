@@ -16,6 +16,7 @@ the text cut at the same place (vLLM's DecodeStream detokenizer behaves the same
 from __future__ import annotations
 
 from collections.abc import Collection
+from collections.abc import Sequence as Sequence_
 
 from hybridkv.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from hybridkv.sched.request import Sequence
@@ -31,44 +32,52 @@ def find_stop_string(text: str, stops: tuple[str, ...], search_from: int) -> tup
     return best
 
 
-def update_and_check(
+def append_and_check(
     seq: Sequence,
-    token: int,
+    tokens: Sequence_[int],
     *,
     detokenizer: IncrementalDetokenizer | None,
     eos_token_ids: Collection[int],
     max_model_len: int,
-) -> tuple[str, int | str | None] | None:
-    """Feed ``token`` (just appended to ``seq``) to the sequence's detokenizer (None: no
-    tokenizer, the text stays ""), refresh ``seq.text``; (finish_reason, stop_reason) or
-    None."""
+) -> tuple[int, tuple[str, int | str | None] | None]:
+    """Append ``tokens`` to ``seq``'s output one by one, each fed to the sequence's
+    detokenizer (None: no tokenizer, the text stays "") and checked by the stop rules,
+    until one stops it: (how many were appended, (finish_reason, stop_reason) or None).
+    ``seq.text`` is set once, after the last (what a running sequence shows: a burst's or
+    a speculative step's tokens need no text in between unless stop strings are looked
+    for, which happens after each token)."""
     params = seq.params
-    if detokenizer is None:
-        searched, text = 0, ""
-    else:
-        searched = len(detokenizer.text)  # stop strings were looked for up to here
-        detokenizer.push(token)
-        text = detokenizer.text
-    if params.stop_token_ids and token in params.stop_token_ids:
-        seq.text = final_text(detokenizer)
-        return "stop", token
-    if not params.ignore_eos and token in eos_token_ids:
-        seq.text = final_text(detokenizer)
-        return "stop", None
-    if params.stop_strings and len(text) > searched:
-        found = find_stop_string(text, params.stop_strings, searched)
-        if found is not None:
-            at, stop = found
-            seq.text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
-            return "stop", stop
-    if params.max_tokens is not None and seq.num_outputs >= params.max_tokens:
-        seq.text = final_text(detokenizer)
-        return "length", None
-    if seq.num_tokens >= max_model_len:
-        seq.text = final_text(detokenizer)
-        return "length", None
-    seq.text = streamable_text(text, params.stop_strings)
-    return None
+    stop_ids = params.stop_token_ids
+    eos = () if params.ignore_eos else eos_token_ids
+    stops = params.stop_strings
+    for count, token in enumerate(tokens, 1):
+        seq.output_token_ids.append(token)
+        searched = 0
+        if detokenizer is not None:
+            searched = len(detokenizer.text)  # stop strings were looked for up to here
+            detokenizer.push(token)
+        if stop_ids and token in stop_ids:
+            seq.text = final_text(detokenizer)
+            return count, ("stop", token)
+        if token in eos:
+            seq.text = final_text(detokenizer)
+            return count, ("stop", None)
+        if stops and detokenizer is not None and len(detokenizer.text) > searched:
+            found = find_stop_string(detokenizer.text, stops, searched)
+            if found is not None:
+                at, stop = found
+                text = detokenizer.text
+                seq.text = (
+                    text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+                )
+                return count, ("stop", stop)
+        if (params.max_tokens is not None and seq.num_outputs >= params.max_tokens) or (
+            seq.num_tokens >= max_model_len
+        ):
+            seq.text = final_text(detokenizer)
+            return count, ("length", None)
+    seq.text = streamable_text(detokenizer.text if detokenizer else "", stops)
+    return len(tokens), None
 
 
 def final_text(detokenizer: IncrementalDetokenizer | None) -> str:

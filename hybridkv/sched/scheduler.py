@@ -34,7 +34,9 @@ each token it samples back as the next position's input (the engine's runner, th
 decode graph), so one scheduling round produces that many tokens more. The chunk takes the
 pages of all its positions up front (cut at the next split, like a prefill chunk) and
 counts one token against the budget, since each forward of the burst computes one token of
-it; if the pages do not fit it runs a plain decode instead. A round holding a burst
+it; if the pages do not fit it runs a plain decode instead. A burst ends before any
+snapshot position past its first token (``CacheManager.burst_end``: a stop short of it
+would lose the request's parked snapshot with it). A round holding a burst
 admits nobody: every chunk of it is a decode, the shape the burst's forwards run, and a
 waiting sequence (only a preempted one: the engine bursts only with nobody waiting) joins
 a round later. The step keeps every sampled token up to a stop; a burst is only ever cut
@@ -201,10 +203,12 @@ class Scheduler:
             if alloc is not None:
                 return ScheduledChunk(seq, start, n, alloc, True, drafts)
         if seq.num_burst_tokens > 0 and start == seq.num_tokens - 1:
-            end = self.manager.next_split(seq.seq_id, start, start + 1 + seq.num_burst_tokens)
+            end = self.manager.burst_end(seq.seq_id, start, start + 1 + seq.num_burst_tokens)
+            end = self.manager.next_split(seq.seq_id, start, end)
             alloc = self.manager.allocate(seq.seq_id, end - start)
             if alloc is not None:
-                return ScheduledChunk(seq, start, end - start, alloc, True, 0, end - start - 1)
+                n = end - start
+                return ScheduledChunk(seq, start, n, alloc, True, num_burst_tokens=n - 1)
         end = self._chunk_end(seq, start, budget)
         while True:
             alloc = self.manager.allocate(seq.seq_id, end - start)

@@ -9,19 +9,30 @@ Bursts run through the decode graph, so these tests skip where packages are off.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from engine_checkpoints import ARCH, OPTIONS
 from hybrid_checks import prompt
 from tiny import hf_greedy
 
+from hybridkv.core.ids import ReqId
 from hybridkv.engine import EngineConfig, LLMEngine
+from hybridkv.engine.decode_burst import BurstTokens, plan_burst
 from hybridkv.ops import ahead_of_time
 from hybridkv.ops.compiled import compile_enabled
+from hybridkv.sched.request import Sequence
 from hybridkv.sched.sampling_params import SamplingParams
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+class Reply(NamedTuple):
+    tokens: list[int]
+    finish_reason: str | None
+    cached: int  # prompt tokens served from the cache
+    text: str
+    stop_reason: int | str | None
 
 
 def engine(path: Path, *, caching: bool = True, burst: int = 8) -> LLMEngine:
@@ -32,23 +43,24 @@ def engine(path: Path, *, caching: bool = True, burst: int = 8) -> LLMEngine:
     )
 
 
-def run(
-    llm: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
-) -> dict[str, tuple[list[int], str | None, int]]:
-    """request id -> (its tokens, finish reason, prompt tokens served from the cache)."""
+def run(llm: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Reply]:
+    """request id -> its reply; every streamed text is a prefix of the final one."""
     for request_id, (ids, params) in requests.items():
         llm.add_request(request_id, ids, params)
-    replies: dict[str, tuple[list[int], str | None, int]] = {}
+    replies: dict[str, Reply] = {}
     while llm.has_unfinished_requests():
         for out in llm.step():
             assert out.error is None, out.error
-            if out.finished:
-                done = out.outputs[0]
-                replies[out.request_id] = (
-                    list(done.token_ids),
-                    done.finish_reason,
-                    out.num_cached_tokens,
-                )
+            done = out.outputs[0]
+            replies[out.request_id] = Reply(
+                list(done.token_ids),
+                done.finish_reason,
+                out.num_cached_tokens,
+                done.text,
+                done.stop_reason,
+            )
+    for reply in replies.values():
+        assert reply.finish_reason is not None
     return replies
 
 
@@ -68,35 +80,48 @@ def test_replies_with_bursts_equal_one_token_steps_and_transformers(
     with_bursts, without = run(bursting, requests), run(single, requests)
     assert with_bursts == without
     for request_id, (ids, params) in requests.items():
-        assert with_bursts[request_id][0] == hf_greedy(hf, ids, params.max_tokens)[0]
+        assert with_bursts[request_id].tokens == hf_greedy(hf, ids, params.max_tokens)[0]
     assert bursting.stats()["num_burst_forwards"] > 0
     assert single.stats()["num_burst_forwards"] == 0
     assert bursting.num_steps < single.num_steps
 
 
+@pytest.mark.parametrize("rule", ["token", "string"])
 def test_a_stop_inside_a_burst_ends_the_reply_there_and_nothing_past_it_is_cached(
-    checkpoints: Any,
+    checkpoints: Any, rule: str
 ) -> None:
-    """The reply stops at a stop token the burst ran past; a follow-up turn built on that
-    reply hits the cache exactly as without bursts, and both equal transformers (a state
-    or KV page from past the stop, if it were cached, would change its tokens)."""
+    """The reply stops at a stop token (or string) the burst ran past, with the text
+    one-token steps give; a follow-up turn built on that reply hits the cache exactly as
+    without bursts, and both equal transformers (a state or KV page from past the stop,
+    if it were cached, would change its tokens)."""
     hf, path = checkpoints(ARCH)
     first = prompt(80, 30)
-    free_run = hf_greedy(hf, first, 20)[0]
-    stop_at = next(i for i in range(3, 20) if free_run[i] not in free_run[:i])
-    params = SamplingParams(max_tokens=20, stop_token_ids=[free_run[stop_at]], **GREEDY)
+    free_run = run(engine(path, burst=1), {"f": (first, SamplingParams(max_tokens=20, **GREEDY))})
+    tokens, text = free_run["f"].tokens, free_run["f"].text
+    if rule == "token":
+        at = next(i for i in range(3, 20) if tokens[i] not in tokens[:i])
+        stop: dict[str, Any] = {"stop_token_ids": [tokens[at]]}
+    else:
+        at = next(i for i in range(3, len(text) - 1) if text.find(text[i : i + 2]) == i)
+        stop = {"stop": [text[at : at + 2]]}
+    params = SamplingParams(max_tokens=20, **stop, **GREEDY)
     replies = []
     for burst in (8, 1):
         llm = engine(path, burst=burst)
-        reply, reason, _ = run(llm, {"t1": (first, params)})["t1"]
-        follow_up = first + reply + prompt(81, 7)
+        reply = run(llm, {"t1": (first, params)})["t1"]
+        follow_up = first + reply.tokens + prompt(81, 7)
         second = run(llm, {"t2": (follow_up, SamplingParams(max_tokens=12, **GREEDY))})["t2"]
-        replies.append((reply, reason, second))
+        replies.append((reply, second))
+        assert llm.stats()["num_burst_forwards"] > 0 or burst == 1
     assert replies[0] == replies[1]
-    reply, reason, (second, _, cached) = replies[0]
-    assert (reply, reason) == (free_run[: stop_at + 1], "stop")
-    assert cached > len(first)
-    assert second == hf_greedy(hf, first + reply + prompt(81, 7), 12)[0]
+    reply, second = replies[0]
+    assert reply.finish_reason == "stop" and len(reply.tokens) < 20
+    if rule == "token":
+        assert reply.tokens == tokens[: at + 1]
+    else:
+        assert reply.text == text[:at] and tokens[: len(reply.tokens)] == reply.tokens
+    assert second.cached > len(first)
+    assert second.tokens == hf_greedy(hf, follow_up, 12)[0]
 
 
 @pytest.mark.parametrize(
@@ -135,10 +160,76 @@ def test_a_request_arriving_during_bursts_waits_for_the_round_and_replies_as_alo
     assert llm.stats()["num_burst_forwards"] > 0
     late = prompt(110, 14)
     replies = run(llm, {"late": (late, SamplingParams(max_tokens=10, **GREEDY))})
-    assert replies["late"][0] == hf_greedy(hf, late, 10)[0]
+    assert replies["late"].tokens == hf_greedy(hf, late, 10)[0]
 
 
 def test_decode_burst_must_be_a_positive_integer(tmp_path: Path) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="decode_burst must be a positive integer"):
             EngineConfig(model=str(tmp_path), decode_burst=bad)  # type: ignore[arg-type]
+
+
+def test_a_forward_without_a_token_fails_its_request_after_the_tokens_before_it(
+    checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A burst forward whose logit is not finite (NaN logits): the tokens before it are
+    the request's, then it fails, as one-token steps would give them and then fail; a
+    stop among them ends it normally; its neighbour is unharmed."""
+    hf, path = checkpoints(ARCH)
+    llm = engine(path)
+    real = llm.runner.execute_burst
+
+    def third_forward_of_a_has_no_token(chunks: Any, manager: Any) -> BurstTokens:
+        out = real(chunks, manager)
+        for i, chunk in enumerate(chunks):
+            if chunk.seq.request_id == "a" and chunk.num_burst_tokens >= 2:
+                out.finite[i][2] = False
+        return out
+
+    monkeypatch.setattr(llm.runner, "execute_burst", third_forward_of_a_has_no_token)
+    ids = {"a": prompt(120, 9), "b": prompt(121, 9)}
+    for request_id, p in ids.items():
+        llm.add_request(request_id, p, SamplingParams(max_tokens=12, **GREEDY))
+    finals = {}
+    while llm.has_unfinished_requests():
+        for out in llm.step():
+            if out.finished:
+                finals[out.request_id] = out
+    a, b = finals["a"], finals["b"]
+    assert a.error is not None and "sampling failed" in a.error
+    assert a.outputs[0].token_ids == hf_greedy(hf, ids["a"], 3)[0]  # the prefill's, then 2
+    assert b.error is None and b.outputs[0].token_ids == hf_greedy(hf, ids["b"], 12)[0]
+
+
+def plain_seq(name: str, prompt_len: int, max_tokens: int | None) -> Sequence:
+    seq = Sequence(
+        seq_id=ReqId(name),
+        request_id=name,
+        index=0,
+        prompt_token_ids=list(range(prompt_len)),
+        params=SamplingParams(max_tokens=max_tokens, **GREEDY),
+    )
+    seq.num_computed = prompt_len - 1  # decoding
+    return seq
+
+
+def test_plan_burst_stops_at_the_limits_and_bursts_all_or_none() -> None:
+    near_end, long_one, short_context = (
+        plain_seq("a", 10, 12),
+        plain_seq("b", 10, None),
+        plain_seq("c", 95, None),
+    )
+    seqs = [near_end, long_one, short_context]
+    plan_burst(seqs, 8, 100, lambda s: True)
+    # a: 12 outputs to go, b: no limit but the burst, c: 5 tokens to max_model_len
+    assert [s.num_burst_tokens for s in seqs] == [7, 7, 4]
+    near_end.output_token_ids = [1] * 10  # 2 outputs left
+    near_end.num_computed = near_end.num_tokens - 1
+    plan_burst(seqs, 8, 100, lambda s: True)
+    assert [s.num_burst_tokens for s in seqs] == [1, 7, 4]
+    plan_burst(seqs, 8, 100, lambda s: s is not long_one)  # one is not plain greedy
+    assert [s.num_burst_tokens for s in seqs] == [0, 0, 0]
+    plan_burst(seqs, 8, 100, lambda s: True)
+    long_one.num_computed -= 1  # one prefills: nobody bursts, what they had is gone
+    plan_burst(seqs, 8, 100, lambda s: True)
+    assert [s.num_burst_tokens for s in seqs] == [0, 0, 0]

@@ -30,7 +30,7 @@ from hybridkv.engine.detokenizer import (
     PROMPT_CONTEXT_TOKENS,
     IncrementalDetokenizer,
 )
-from hybridkv.engine.stopping import streamable_text, update_and_check
+from hybridkv.engine.stopping import append_and_check, streamable_text
 from hybridkv.models.tokenizer import Tokenizer
 from hybridkv.sched.request import Sequence as Seq
 
@@ -272,14 +272,23 @@ def test_a_stop_string_ending_in_a_split_character_cuts_where_it_begins(
         detokenizer = IncrementalDetokenizer(tok, seq.prompt_token_ids, True)
         texts = []
         for token in ids:
-            seq.output_token_ids.append(token)
-            stop = update_and_check(
-                seq, token, detokenizer=detokenizer, eos_token_ids=(), max_model_len=1000
+            _, stop = append_and_check(
+                seq, [token], detokenizer=detokenizer, eos_token_ids=(), max_model_len=1000
             )
             texts.append(seq.text)
             if stop is not None:
                 break
         assert stop == ("stop", "x\u20ac")
+        at_once = Seq("0.1", "r", 0, tok.encode("Q: "), params)  # all the ids in one call
+        kept, stop_at_once = append_and_check(
+            at_once,
+            ids,
+            detokenizer=IncrementalDetokenizer(tok, at_once.prompt_token_ids, True),
+            eos_token_ids=(),
+            max_model_len=1000,
+        )
+        assert (kept, stop_at_once, at_once.text) == (len(seq.output_token_ids), stop, seq.text)
+        assert at_once.output_token_ids == seq.output_token_ids
         assert len(seq.output_token_ids) == len(tok.encode("ab \u20acx\u20ac"))
         assert seq.text == ("ab \u20acx\u20ac" if keep else "ab \u20ac")
         assert_grows(texts)
@@ -305,29 +314,36 @@ def drive(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams
     raise AssertionError("the engine did not finish")
 
 
-def test_decode_work_per_token_does_not_grow_with_the_output(llm: LLM) -> None:
+def test_decode_work_per_token_does_not_grow_with_the_output(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Regression: each token decoded the prompt's last 6 ids and the whole output again
-    (~110 ids per token at the end of this request, 21 µs at 300 ids)."""
+    (~110 ids per token at the end of this request, 21 µs at 300 ids). Counted per pushed
+    token: a decode burst's tokens all come in one step."""
     engine = llm.engine
     assert engine.tokenizer is not None
     backend = engine.tokenizer.backend
     original = backend.decoder
     spy = DecodeSpy()
     backend.decoder = decoders.Decoder.custom(spy)
+    work: list[int] = []  # ids decoded for each output token
+    push = IncrementalDetokenizer.push
+
+    def counted(self: IncrementalDetokenizer, token_id: int) -> str:
+        before = spy.ids
+        piece = push(self, token_id)
+        work.append(spy.ids - before)
+        return piece
+
+    monkeypatch.setattr(IncrementalDetokenizer, "push", counted)
     try:
         params = SamplingParams(max_tokens=100, temperature=0, ignore_eos=True)
         engine.add_request("long", {"prompt_token_ids": prompt(21, 20)}, params)
-        work = []  # ids decoded per token, one entry per step (a burst's tokens share it)
-        num_tokens = 0
         while engine.has_unfinished_requests():
-            before = spy.ids
-            for out in engine.step():
-                tokens = len(out.outputs[0].token_ids) - num_tokens
-                num_tokens += tokens
-                work.append((spy.ids - before) / max(tokens, 1))
+            engine.step()
     finally:
         backend.decoder = original
-    assert num_tokens == 100
+    assert len(work) == 100
     assert max(work) <= 4 * MAX_HELD_IDS, work
     assert sum(work) <= 10 * len(work), work
 

@@ -393,9 +393,11 @@ def burst(s: Sequence, num_tokens: int) -> None:
 
 
 def test_a_burst_takes_the_pages_of_its_positions_and_counts_one_token() -> None:
+    """Each burst counts one token against the budget. A burst ends before a snapshot
+    position past its first token (b: 12, block 4); one at its first token stays (a: 8)."""
     mgr = make_manager(num_chunks=16)
     sched = scheduler(mgr)
-    a, b = seq("a", 5), seq("b", 6)
+    a, b = seq("a", 7), seq("b", 8)
     for s in (a, b):
         sched.add(s)
     run_step(sched)  # prefilled, one token sampled each
@@ -404,18 +406,19 @@ def test_a_burst_takes_the_pages_of_its_positions_and_counts_one_token() -> None
     sched.max_num_batched_tokens = 2
     out = sched.schedule()  # a budget of 2 tokens: one per burst
     assert [(c.seq.seq_id, c.start, c.num_tokens, c.num_burst_tokens) for c in out.chunks] == [
-        ("a", 5, 4, 3),
-        ("b", 6, 4, 3),
+        ("a", 7, 4, 3),
+        ("b", 8, 3, 2),  # positions 8, 9, 10: the state after 12 is the next round's first
     ]
     chunk = out.chunks[0]
-    assert (chunk.known_end, chunk.token_ids) == (6, [SAMPLED])
-    assert [s.position for s in chunk.allocation.snapshots] == [8]  # block 4, inside the burst
-    assert len(mgr.block_table(a.seq_id, 0)) == 3  # 9 positions at 4 tokens a page
+    assert (chunk.known_end, chunk.token_ids) == (8, [SAMPLED])
+    assert [s.position for s in chunk.allocation.snapshots] == [8]
+    assert len(mgr.block_table(a.seq_id, 0)) == 3  # 11 positions at 4 tokens a page
     for c in out.chunks:
-        c.seq.output_token_ids += [1, 2, 3, 4]
+        c.seq.output_token_ids += [1] * c.num_tokens
         sched.advance(c)
-    assert (a.num_computed, a.num_tokens, a.num_burst_tokens) == (9, 10, 0)
-    assert mgr.num_computed_tokens(a.seq_id) == 9
+    assert (a.num_computed, a.num_tokens, a.num_burst_tokens) == (11, 12, 0)
+    assert (b.num_computed, b.num_tokens) == (11, 12)
+    assert mgr.num_computed_tokens(a.seq_id) == 11
     assert mgr._reqs[a.seq_id].tokens == a.all_token_ids
     mgr.check_integrity()
 
@@ -423,7 +426,7 @@ def test_a_burst_takes_the_pages_of_its_positions_and_counts_one_token() -> None
 def test_a_burst_round_admits_nobody_and_the_next_round_does() -> None:
     mgr = make_manager(num_chunks=16)
     sched = scheduler(mgr)
-    a, c = seq("a", 5), seq("c", 3)
+    a, c = seq("a", 7), seq("c", 3)
     sched.add(a)
     run_step(sched)
     sched.add(c)  # a preempted sequence, say: the engine bursts only with nobody waiting
@@ -433,26 +436,33 @@ def test_a_burst_round_admits_nobody_and_the_next_round_does() -> None:
     assert list(sched.waiting) == [c]
     a.output_token_ids += [1, 2, 3]
     sched.advance(out.chunks[0])
-    assert work(run_step(sched)) == [("a", 8, 1), ("c", 0, 3)]
+    assert work(run_step(sched)) == [("a", 10, 1), ("c", 0, 3)]
 
 
-def test_a_burst_cut_short_by_a_stop_keeps_its_tokens_and_drops_later_snapshots() -> None:
-    """A stop inside a burst: the step keeps the tokens up to it and finishes the sequence;
-    the snapshot reserved past them is never published."""
+def test_a_stop_inside_a_burst_keeps_the_last_snapshot_of_its_sequence() -> None:
+    """Regression: a burst from 9 reserved the snapshot at 12, taking the page of the
+    request's parked snapshot at 8 (one per request is kept while it decodes); a stop
+    before 12 then dropped both, and the next turn found 8 tokens less. Now the burst
+    ends before 12, and the snapshot at 8 is there for the next turn."""
     mgr = make_manager(num_chunks=16)
     sched = scheduler(mgr)
     a = seq("a", 5)
     sched.add(a)
+    for _ in range(4):  # the prompt, then one-token steps to 9 tokens computed
+        run_step(sched)
+    assert a.num_computed == 8
     run_step(sched)
-    taken = mgr.usage().snapshots_taken  # the prompt's
-    burst(a, 5)  # positions 5..10: a snapshot due at 8
+    burst(a, 5)  # positions 9..14 would reach 12
     [chunk] = sched.schedule().chunks
-    assert [s.position for s in chunk.allocation.snapshots] == [8]
-    a.output_token_ids += [1, 2]  # a stop at the burst's second token
+    assert (chunk.start, chunk.num_tokens, chunk.allocation.snapshots) == (9, 2, ())
+    a.output_token_ids += [1]  # a stop at the burst's first token
     sched.advance(chunk)
-    assert (a.num_computed, mgr.num_computed_tokens(a.seq_id)) == (7, 7)
     sched.finish(a, "stop")
-    assert mgr.usage().snapshots_taken == taken  # 8 was past the kept tokens: dropped
+    again = seq("a2", 14)
+    again.prompt_token_ids = [*a.all_token_ids, 7, 7, 7]
+    sched.add(again)
+    [resumed] = sched.schedule().chunks
+    assert resumed.start == 8  # its snapshot at 8
     mgr.check_integrity()
 
 
