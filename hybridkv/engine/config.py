@@ -154,8 +154,10 @@ class EngineConfig:
             through the decode graph, each feeding its tokens to the next
             (hybridkv.engine.decode_burst; vLLM v0's num_scheduler_steps): the round's
             Python is paid once for all of them. Only when every running request decodes
-            plain greedily and nobody waits; a stop inside a burst ends its request there,
-            and a request arriving during a burst waits for its end. 1: off.
+            plain greedily and nobody waits, and only as many as fit in ~25 ms at the last
+            decode round's time per forward (a burst's tokens reach a streaming client
+            together, and a request arriving during it waits for its end); a stop inside
+            a burst ends its request there. 1: off.
         speculative_config: speculative decoding, vLLM's dict (``{"method": "ngram",
             "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model": DIR,
             ...}``, see :class:`SpeculativeConfig`); None: off.

@@ -9,6 +9,11 @@ forward's argmax fed back as the next input on the device, so the round's Python
 once per burst and the per-token Python is the stop check alone (vLLM v0's multi-step
 scheduling, ``num_scheduler_steps``, did this for the same reason).
 
+How long (:func:`burst_length`): as many forwards as fit in ``BURST_BUDGET_S`` (25 ms) at
+the last decode round's time per forward, at most ``decode_burst``: the tiny model's
+64-row forward (~3 ms) bursts 8 times, a forward of 40 ms not at all (there the round's
+Python is a small part, and the burst would hold a streaming client's tokens back).
+
 When (:func:`plan_burst`): every running sequence decodes, is plain greedy (its token is
 its raw argmax: no processors, penalties, grammar or logprobs, the sampler's
 ``is_plain_greedy``) and nobody waits who could be admitted (a burst round admits nobody;
@@ -30,8 +35,8 @@ its first token (``CacheManager.burst_end``), so a stop inside it never costs th
 request's last snapshot.
 
 Costs: the tokens of a burst reach the client together, and the server's inter-token
-latency sees one gap per burst; a request arriving during a burst waits for its end
-(at most ``decode_burst - 1`` forwards) to be admitted.
+latency sees one gap per burst; a request arriving during a burst waits for its end to be
+admitted. The time budget bounds both to about 25 ms.
 """
 
 from __future__ import annotations
@@ -49,6 +54,22 @@ from hybridkv.models.decode_graph import DecodeGraph
 from hybridkv.ops.host_tensors import long_tensor
 from hybridkv.sched.request import Sequence
 from hybridkv.sched.scheduler import ScheduledChunk
+
+# How long a burst may take: the forwards it runs are the wait of a client streaming its
+# tokens (they arrive together) and of a request arriving meanwhile. A burst saves the
+# round's Python (a few milliseconds) per forward, which matters only while a forward is
+# short; so a burst runs as many forwards as fit in this budget (the last decode round's
+# time per forward), at most ``decode_burst``.
+BURST_BUDGET_S = 0.025
+
+
+def burst_length(max_burst: int, forward_s: float | None) -> int:
+    """Tokens a round may produce per sequence: as many forwards of ``forward_s`` seconds
+    as fit in :data:`BURST_BUDGET_S`, between 1 and ``max_burst``; 1 (a plain step, which
+    measures it) while the forward's time is unknown."""
+    if forward_s is None or forward_s <= 0:
+        return 1
+    return max(1, min(max_burst, int(BURST_BUDGET_S / forward_s)))
 
 
 def plan_burst(

@@ -18,7 +18,7 @@ from tiny import hf_greedy
 
 from hybridkv.core.ids import ReqId
 from hybridkv.engine import EngineConfig, LLMEngine
-from hybridkv.engine.decode_burst import BurstTokens, plan_burst
+from hybridkv.engine.decode_burst import BURST_BUDGET_S, BurstTokens, burst_length, plan_burst
 from hybridkv.ops import ahead_of_time
 from hybridkv.ops.compiled import compile_enabled
 from hybridkv.sched.request import Sequence
@@ -155,8 +155,8 @@ def test_a_request_arriving_during_bursts_waits_for_the_round_and_replies_as_alo
     llm = engine(path)
     for i in range(3):
         llm.add_request(f"r{i}", prompt(100 + i, 10), SamplingParams(max_tokens=30, **GREEDY))
-    llm.step()  # the prefills
-    llm.step()  # a burst round
+    for _ in range(3):  # the prefills, a plain decode round (it times a forward), a burst
+        llm.step()
     assert llm.stats()["num_burst_forwards"] > 0
     late = prompt(110, 14)
     replies = run(llm, {"late": (late, SamplingParams(max_tokens=10, **GREEDY))})
@@ -179,10 +179,13 @@ def test_a_forward_without_a_token_fails_its_request_after_the_tokens_before_it(
     llm = engine(path)
     real = llm.runner.execute_burst
 
+    before: list[int] = []  # a's tokens before the burst that fails
+
     def third_forward_of_a_has_no_token(chunks: Any, manager: Any) -> BurstTokens:
         out = real(chunks, manager)
         for i, chunk in enumerate(chunks):
-            if chunk.seq.request_id == "a" and chunk.num_burst_tokens >= 2:
+            if chunk.seq.request_id == "a" and chunk.num_burst_tokens >= 2 and not before:
+                before.append(chunk.seq.num_outputs)
                 out.finite[i][2] = False
         return out
 
@@ -197,7 +200,7 @@ def test_a_forward_without_a_token_fails_its_request_after_the_tokens_before_it(
                 finals[out.request_id] = out
     a, b = finals["a"], finals["b"]
     assert a.error is not None and "sampling failed" in a.error
-    assert a.outputs[0].token_ids == hf_greedy(hf, ids["a"], 3)[0]  # the prefill's, then 2
+    assert before and a.outputs[0].token_ids == hf_greedy(hf, ids["a"], before[0] + 2)[0]
     assert b.error is None and b.outputs[0].token_ids == hf_greedy(hf, ids["b"], 12)[0]
 
 
@@ -233,3 +236,14 @@ def test_plan_burst_stops_at_the_limits_and_bursts_all_or_none() -> None:
     long_one.num_computed -= 1  # one prefills: nobody bursts, what they had is gone
     plan_burst(seqs, 8, 100, lambda s: True)
     assert [s.num_burst_tokens for s in seqs] == [0, 0, 0]
+
+
+def test_a_burst_runs_the_forwards_that_fit_in_its_time_budget() -> None:
+    """A round's burst is as long as the budget allows at the last decode round's time per
+    forward (a short forward: the whole decode_burst; one near the budget: a plain step),
+    and a plain step while that time is unknown."""
+    assert burst_length(8, None) == 1
+    assert burst_length(8, BURST_BUDGET_S / 100) == 8
+    assert burst_length(8, BURST_BUDGET_S / 3) == 3
+    assert burst_length(8, BURST_BUDGET_S * 2) == 1
+    assert burst_length(1, BURST_BUDGET_S / 100) == 1
