@@ -144,7 +144,8 @@ def run_burst(
     assert batch.has_initial_state is not None
     widths = [1 + c.num_burst_tokens for c in chunks]
     steps = max(widths)
-    tables, pages = _tables(batch, graph), _pages(batch, graph)
+    all_tables, all_pages = graph.tables_and_pages(batch)
+    tables, pages = all_tables, all_pages
     fresh = ~batch.has_initial_state
     ids, positions = batch.input_ids, batch.positions
     device = ids.device
@@ -158,8 +159,8 @@ def run_burst(
         if len(still) < len(rows):  # some chunks are done (j > 0): the rest go on alone
             rows = still
             index = long_tensor(rows, device)
-            tables = [t[index] for t in _tables(batch, graph)]
-            pages = [p[index] for p in _pages(batch, graph)]
+            tables = [t[index] for t in all_tables]
+            pages = [p[index] for p in all_pages]
             fresh = torch.zeros(len(rows), dtype=torch.bool, device=device)  # written now
             positions = batch.positions[index] + j
             ids = tokens[index, j - 1]
@@ -177,16 +178,6 @@ def run_burst(
         if j == 0:
             fresh = torch.zeros_like(fresh)  # every state has been written now
     return BurstTokens(tokens.tolist(), finite.tolist())
-
-
-def _tables(batch: ForwardBatch, graph: DecodeGraph) -> list[Tensor]:
-    """The block table of each of ``graph``'s attention groups, in its plan's order."""
-    return [batch.block_tables[g] for g in graph.plan.attention_groups]
-
-
-def _pages(batch: ForwardBatch, graph: DecodeGraph) -> list[Tensor]:
-    """The live state pages of each of ``graph``'s recurrent groups, in its plan's order."""
-    return [batch.state_pages[g] for g in graph.plan.recurrent_groups]
 
 
 def _snapshots_by_forward(

@@ -251,9 +251,10 @@ class ModelRunner:
         assert self.prefill_graph is not None
         prefill_chunks = [chunks[i] for i in prefills]
         prefill_batch = self.build_batch(prefill_chunks, manager)
-        if not self.prefill_graph.takes(prefill_batch):  # its attention scores too many
+        width = self.prefill_graph.width(prefill_batch)
+        if width is None:  # its attention scores too many
             return None
-        from_prefills = self.prefill_graph(prefill_batch)
+        from_prefills = self.prefill_graph(prefill_batch, width)
         if not decodes:
             return from_prefills
         from_decodes = self._decode_through(graph, [chunks[i] for i in decodes], manager)

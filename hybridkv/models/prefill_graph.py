@@ -58,6 +58,7 @@ from hybridkv.models import decode_graph
 from hybridkv.models.base import CausalLM
 from hybridkv.models.decode_graph import (
     GraphPlan,
+    GraphStep,
     LayerPlan,
     attention_inputs,
     cache_inputs,
@@ -257,14 +258,8 @@ def _gdn(
     return mixer.out_proj(gated.flatten(1))
 
 
-class _Step(nn.Module):
-    """The prefill forward the graph is traced from (the model a submodule, whose weights
-    the exported wrapper swaps for its inputs)."""
-
-    def __init__(self, model: CausalLM, plan: GraphPlan) -> None:
-        super().__init__()
-        self.model = model
-        self.plan = plan
+class _Step(GraphStep):
+    """The prefill forward the graph is traced from."""
 
     def forward(
         self,
@@ -280,8 +275,7 @@ class _Step(nn.Module):
         """[R, vocab] fp32 logits at each request's last real token (argument shapes:
         :meth:`PrefillGraph.run`)."""
         plan, model = self.plan, self.model
-        table_of = dict(zip(plan.attention_groups, tables, strict=True))
-        pages_of = dict(zip(plan.recurrent_groups, pages, strict=True))
+        table_of, pages_of = self.by_group(tables, pages)
         captures_of = {
             group: captures[2 * i : 2 * i + 2] for i, group in enumerate(plan.recurrent_groups)
         }
@@ -320,39 +314,34 @@ class PrefillGraph:
         self.weights = weights
         self.caches = caches
         self.query_heads = query_heads  # the most of any attention layer (0: none)
+        kinds = [layer.kind for layer in plan.layers for _ in range(layer.num_caches)]
+        # tokens a KV page holds (the first attention layer's; 0: no attention layer)
+        self.block_tokens = next(
+            (c.shape[1] for c, k in zip(caches, kinds, strict=True) if k == "attention"), 0
+        )
 
-    def takes(self, batch: ForwardBatch) -> bool:
-        """Whether a batch of prefill chunks fits :data:`MAX_SCORES` (module doc)."""
+    def width(self, batch: ForwardBatch) -> int | None:
+        """The rectangle a batch of prefill chunks runs as: its longest chunk's tokens (2
+        at least), or None where its attention scores would exceed :data:`MAX_SCORES`
+        (module doc)."""
+        starts = batch.query_start_loc
+        width = max(2, int((starts[1:] - starts[:-1]).max()))
         if not self.query_heads:
-            return True
+            return width
         keys = max(t.shape[1] for t in batch.block_tables.values()) * self.block_tokens
-        longest = int((batch.query_start_loc[1:] - batch.query_start_loc[:-1]).max())
-        scores = batch.num_requests * self.query_heads * max(2, longest) * keys
-        return scores <= MAX_SCORES
+        scores = batch.num_requests * self.query_heads * width * keys
+        return width if scores <= MAX_SCORES else None
 
-    @property
-    def block_tokens(self) -> int:
-        """Tokens a KV page holds (the first attention layer's)."""
-        return next(c.shape[1] for c, p in zip(self.caches, self._kinds(), strict=True) if p)
-
-    def _kinds(self) -> list[bool]:
-        """Per cache input, whether it is an attention layer's (cache_inputs order)."""
-        return [
-            kind
-            for layer in self.plan.layers
-            for kind in ([True] * 2 if layer.kind == "attention" else [False] * 3)
-        ]
-
-    def __call__(self, batch: ForwardBatch) -> Tensor:
+    def __call__(self, batch: ForwardBatch, width: int) -> Tensor:
         """[R, vocab] fp32 logits at the last token of each of the R prefill chunks of
-        ``batch`` (each of at most :data:`MAX_TOKENS` tokens; its snapshots taken inside).
+        ``batch`` (each of at most :data:`MAX_TOKENS` tokens; its snapshots taken inside),
+        run as a rectangle of ``width`` (:meth:`width`).
 
         The flat batch becomes the graph's rectangle: row ``r`` holds chunk ``r``'s tokens
         from its first, its last repeated past its end."""
         assert batch.has_initial_state is not None
         starts = batch.query_start_loc
         lengths = starts[1:] - starts[:-1]
-        width = max(2, int(lengths.max()))
         offsets = torch.arange(width, device=starts.device)
         index = starts[:-1, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)
         captures: list[tuple[Tensor, Tensor]] = []

@@ -63,7 +63,12 @@ def _prefill(
             batch.state_captures = {group: StateCaptures(torch.tensor(rows), torch.tensor(pages))}
         last = batch.query_start_loc[1:] - 1
         batch.logits_indices = last
-        logits = runner.model(batch, runner.views) if graph is None else graph(batch)
+        if graph is None:
+            logits = runner.model(batch, runner.views)
+        else:
+            width = graph.width(batch)
+            assert width is not None
+            logits = graph(batch, width)
     for req_id, tokens in work:
         runner.reqs[req_id].num_computed += len(tokens)
     return logits
