@@ -5,7 +5,8 @@ The baseline, :class:`WholeDecode`, is the engine's detokenization up to 7c50ae8
 new class's interface: every token decodes the prompt's last 6 ids and the whole output
 again (``decode_output``), so its cost per token grows with the output.
 
-- Per token (always): ``update_and_check`` (the engine's per-token text and stop work) over
+- Per token (always): ``append_and_check`` one token at a time (the engine's per-token
+  text and stop work; one-token steps call it so, bursts with several tokens) over
   an output of ``--lengths`` tokens (48 and 1000), with the tests' byte-level tokenizer
   (one id per byte, ``tests/models/tiny.py``) and a Metaspace word tokenizer (one id per
   word, the SentencePiece-style decoder), on valid UTF-8 text. Printed: the mean over the
@@ -33,7 +34,7 @@ import torch
 from engine_common import ROOT, build_tiny_checkpoint, machine_line
 
 from hybridkv.engine.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
-from hybridkv.engine.stopping import update_and_check
+from hybridkv.engine.stopping import append_and_check
 from hybridkv.models.tokenizer import Tokenizer
 from hybridkv.sched.request import Sequence as Seq
 from hybridkv.sched.sampling_params import SamplingParams
@@ -113,9 +114,8 @@ def per_token_us(make: Callable[..., Any], tok: Tokenizer, ids: list[int]) -> tu
     for i, token in enumerate(output):
         if i == tail:
             tail_start = time.perf_counter()
-        seq.output_token_ids.append(token)
-        update_and_check(
-            seq, token, detokenizer=detokenizer, eos_token_ids=(), max_model_len=1 << 30
+        append_and_check(
+            seq, [token], detokenizer=detokenizer, eos_token_ids=(), max_model_len=1 << 30
         )
     end = time.perf_counter()
     return (end - start) / len(output) * 1e6, (end - tail_start) / (len(output) - tail) * 1e6
@@ -126,7 +126,7 @@ def run_per_token(args: argparse.Namespace, tmp: Path) -> None:
         "byte-level": byte_tokenizer(tmp / "bytes"),
         "metaspace": metaspace_tokenizer(tmp / "meta"),
     }
-    print("µs of update_and_check per output token, median of", args.repeats, "rounds")
+    print("µs of append_and_check per output token, median of", args.repeats, "rounds")
     print(ROW.format("tokenizer", "tokens", "", "whole decode", "incremental", "ratio"))
     for name, tok in tokenizers.items():
         for length in args.lengths:
@@ -151,7 +151,8 @@ def run_engine(args: argparse.Namespace, tmp: Path) -> None:
 
     _, path = build_tiny_checkpoint(tmp / "model")
     n = args.engine_tokens
-    llm = LLM(str(path), max_model_len=n + 64, cache_memory_gib=0.25)
+    # one token per step (no decode bursts): the per-step figures stay per token
+    llm = LLM(str(path), max_model_len=n + 64, cache_memory_gib=0.25, decode_burst=1)
     prompts = [{"prompt_token_ids": list(range(10 + i, 30 + i))} for i in range(7)]
     params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
     results: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
