@@ -17,11 +17,11 @@ Python is a small part, and the burst would hold a streaming client's tokens bac
 When (:func:`plan_burst`): every running sequence decodes, is plain greedy (its token is
 its raw argmax: no processors, penalties, grammar or logprobs, the sampler's
 ``is_plain_greedy``) and nobody waits who could be admitted (a burst round admits nobody;
-with every seat taken nobody could be). Each sequence's burst stops where it must stop anyway: its
-``max_tokens`` and ``max_model_len``. It still runs past a stop token or string, which
-only the tokens show: the engine keeps the tokens up to the stop and finishes the
-sequence, so the state and KV computed past it are never used (the manager drops the
-snapshots reserved past the kept tokens).
+with every seat taken nobody could be). Each sequence's burst stops where it must stop
+anyway: its ``max_tokens`` and ``max_model_len``. It still runs past a stop token or
+string, which only the tokens show: the engine keeps the tokens up to the stop and
+finishes the sequence, so the state and KV computed past it are never used (the manager
+drops the snapshots reserved past the kept tokens).
 
 Exactness: each forward is the decode graph's, on the same inputs a plain decode step
 gives it (the token, its position, the tables and the live page); the argmax is the one
