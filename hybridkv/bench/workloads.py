@@ -176,7 +176,8 @@ class BenchResult:
 
     num_requests: int
     elapsed_s: float
-    num_steps: int
+    num_steps: int  # scheduling rounds (a round of decode bursts is one)
+    num_burst_forwards: int  # forwards decode bursts ran past their rounds' first
     prompt_tokens: int
     cached_prompt_tokens: int  # sum of the requests' num_cached_tokens
     output_tokens: int
@@ -316,6 +317,7 @@ def _result(
         num_requests=len(outs),
         elapsed_s=elapsed,
         num_steps=num_steps,
+        num_burst_forwards=after["num_burst_forwards"] - before["num_burst_forwards"],
         prompt_tokens=prompt_tokens,
         cached_prompt_tokens=sum(o.num_cached_tokens for o in outs),
         output_tokens=output_tokens,

@@ -117,7 +117,8 @@ def print_result(workload: str, model: str, r: BenchResult) -> None:
     console.print(
         f"[bold]bench {workload}[/] on {model}: {r.num_requests} requests, "
         f"{r.prompt_tokens:,} prompt tokens ({r.cached_prompt_tokens:,} from the prefix cache), "
-        f"{r.output_tokens:,} output tokens, {r.num_steps:,} steps in {r.elapsed_s:.2f} s"
+        f"{r.output_tokens:,} output tokens, {r.num_steps:,} steps "
+        f"(+{r.num_burst_forwards:,} forwards in decode bursts) in {r.elapsed_s:.2f} s"
     )
     table = Table(show_header=False)
     table.add_column("metric")
