@@ -151,7 +151,7 @@ def run_burst(
     device = ids.device
     tokens = torch.empty(len(chunks), steps, dtype=torch.long, device=device)
     finite = torch.ones(len(chunks), steps, dtype=torch.bool, device=device)
-    due = _snapshots_by_forward(chunks, manager, own_groups)
+    due = snapshots_by_forward(chunks, manager, own_groups)
     rows = list(range(len(chunks)))
     index: Tensor | None = None  # the rows still running, where fewer than all
     for j in range(steps):
@@ -180,12 +180,12 @@ def run_burst(
     return BurstTokens(tokens.tolist(), finite.tolist())
 
 
-def _snapshots_by_forward(
+def snapshots_by_forward(
     chunks: list[ScheduledChunk], manager: CacheManager, own_groups: set[int]
 ) -> dict[int, list[StateCopy]]:
     """Forward index j -> the snapshot copies due after it: a snapshot at ``position`` of
     a chunk from ``start`` holds the state after the forward of position - 1, the
-    (position - 1 - start)-th."""
+    (position - 1 - start)-th (a one-token chunk's, all after forward 0)."""
     due: dict[int, list[StateCopy]] = {}
     for chunk in chunks:
         for snap in chunk.allocation.snapshots:

@@ -34,7 +34,7 @@ from hybridkv.core.ids import NULL_PAGE, ReqId
 from hybridkv.core.layout import ArenaLayout
 from hybridkv.core.manager import CacheManager, StateCopy
 from hybridkv.core.spec import GroupSpec, ModelSpec
-from hybridkv.engine.decode_burst import BurstTokens, run_burst
+from hybridkv.engine.decode_burst import BurstTokens, run_burst, snapshots_by_forward
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.models import prefill_graph
@@ -275,13 +275,9 @@ class ModelRunner:
     def _copy_final_snapshots(self, chunks: list[ScheduledChunk], manager: CacheManager) -> None:
         """The snapshots of a decode step's chunks, each taken after its one token: the live
         state page, which the graph has just updated, copied whole into the snapshot's page
-        (what the eager forward's capture after a request's last row writes)."""
-        self.copy_pages(
-            StateCopy(snap.group_id, manager.live_page(chunk.seq.seq_id, snap.group_id), snap.page)
-            for chunk in chunks
-            for snap in chunk.allocation.snapshots
-            if snap.group_id in self.own_groups
-        )
+        (what the eager forward's capture after a request's last row writes): a burst of
+        one forward."""
+        self.copy_pages(snapshots_by_forward(chunks, manager, self.own_groups).get(0, ()))
 
 
 def _unspeculated(chunk: ScheduledChunk) -> bool:
