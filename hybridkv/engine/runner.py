@@ -34,7 +34,7 @@ from hybridkv.core.ids import NULL_PAGE, ReqId
 from hybridkv.core.layout import ArenaLayout
 from hybridkv.core.manager import CacheManager, StateCopy
 from hybridkv.core.spec import GroupSpec, ModelSpec
-from hybridkv.engine.decode_burst import BurstTokens, run_burst, snapshots_by_forward
+from hybridkv.engine.decode_burst import BurstTokens, run_burst
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.models import prefill_graph
@@ -114,19 +114,44 @@ class ModelRunner:
         return self.views.arena
 
     def copy_pages(self, copies: Iterable[StateCopy]) -> None:
-        """Byte-copy whole state pages; ``page_id * page_bytes`` is where a page starts."""
+        """Byte-copy whole state pages; ``page_id * page_bytes`` is where a page starts.
+
+        A group's copies go as one gather and scatter over the arena seen as its pages
+        (64 snapshots of the tiny model's state: ~550 us one by one, mostly per-copy
+        overhead; ~240 us at once), unless one of them writes a page another reads: then
+        one by one, in order."""
+        by_group: dict[int, list[StateCopy]] = {}
         for copy in copies:
-            size = self.layout.pages[copy.group_id].page_bytes
-            src, dst = copy.src_page * size, copy.dst_page * size
-            self.arena[dst : dst + size].copy_(self.arena[src : src + size])
-            self.num_page_copies += 1
+            by_group.setdefault(copy.group_id, []).append(copy)
+        for group_id, group_copies in by_group.items():
+            size = self.layout.pages[group_id].page_bytes
+            sources = [c.src_page for c in group_copies]
+            targets = [c.dst_page for c in group_copies]
+            self.num_page_copies += len(group_copies)
+            if len(group_copies) == 1 or not set(targets).isdisjoint(sources):
+                for src, dst in zip(sources, targets, strict=True):
+                    self.arena[dst * size : (dst + 1) * size].copy_(
+                        self.arena[src * size : (src + 1) * size]
+                    )
+                continue
+            pages = self.arena[: self.arena.numel() // size * size].view(-1, size)
+            if size % 8 == 0:  # whole words: ATen moves bytes one at a time
+                pages = pages.view(torch.int64)
+            rows = pages.index_select(0, long_tensor(sources, self.device))
+            pages.index_copy_(0, long_tensor(targets, self.device), rows)
 
     def build_batch(
         self,
         chunks: list[ScheduledChunk],
         manager: CacheManager,
         all_rows: Collection[int] = (),
+        *,
+        final_states_copied: bool = False,
     ) -> ForwardBatch:
+        """The forward's input for ``chunks``: logits rows at each chunk's last token (every
+        token of the chunks in ``all_rows``), and a capture for each snapshot, except, with
+        ``final_states_copied``, those after a chunk's last token: the caller copies the
+        live page into them after the forward (:meth:`_copy_final_snapshots`; the graphs)."""
         ids: list[int] = []
         positions: list[int] = []
         starts = [0]
@@ -154,11 +179,11 @@ class ModelRunner:
             block_tables=tables,
             state_pages=states,
             logits_indices=tensor(logits_rows),
-            state_captures=self._state_captures(chunks, starts),
+            state_captures=self._state_captures(chunks, starts, final_states_copied),
         )
 
     def _state_captures(
-        self, chunks: list[ScheduledChunk], starts: list[int]
+        self, chunks: list[ScheduledChunk], starts: list[int], final_states_copied: bool
     ) -> dict[int, StateCaptures]:
         """Each snapshot of the step, and each scratch state of a speculative chunk, as a
         capture of its group: the state after exactly ``position`` tokens is the state
@@ -171,6 +196,8 @@ class ModelRunner:
                 continue
             for snap in (*chunk.allocation.snapshots, *chunk.allocation.scratch):
                 if snap.group_id not in self.own_groups:
+                    continue
+                if final_states_copied and snap.position == chunk.end:
                     continue
                 assert chunk.start < snap.position <= chunk.end, (snap, chunk)
                 rows, pages = wanted.setdefault(snap.group_id, ([], []))
@@ -250,11 +277,12 @@ class ModelRunner:
             return self._decode_through(graph, chunks, manager)
         assert self.prefill_graph is not None
         prefill_chunks = [chunks[i] for i in prefills]
-        prefill_batch = self.build_batch(prefill_chunks, manager)
+        prefill_batch = self.build_batch(prefill_chunks, manager, final_states_copied=True)
         width = self.prefill_graph.width(prefill_batch)
         if width is None:  # its attention scores too many
             return None
         from_prefills = self.prefill_graph(prefill_batch, width)
+        self._copy_final_snapshots(prefill_chunks, manager)
         if not decodes:
             return from_prefills
         from_decodes = self._decode_through(graph, [chunks[i] for i in decodes], manager)
@@ -268,16 +296,23 @@ class ModelRunner:
     ) -> Tensor:
         """[chunks, vocab] logits of one-token chunks from the decode graph, their
         snapshots copied after it."""
-        logits = graph(self.build_batch(chunks, manager))
+        logits = graph(self.build_batch(chunks, manager, final_states_copied=True))
         self._copy_final_snapshots(chunks, manager)
         return logits
 
     def _copy_final_snapshots(self, chunks: list[ScheduledChunk], manager: CacheManager) -> None:
-        """The snapshots of a decode step's chunks, each taken after its one token: the live
-        state page, which the graph has just updated, copied whole into the snapshot's page
-        (what the eager forward's capture after a request's last row writes): a burst of
-        one forward."""
-        self.copy_pages(snapshots_by_forward(chunks, manager, self.own_groups).get(0, ()))
+        """The snapshots after the last token of ``chunks``, which a graph has just run: the
+        live state page, which holds that state now, copied whole into each snapshot's page.
+        A decode's snapshots all are such. A prefill chunk's at its end would otherwise be
+        a capture inside the prefill graph: ~60 us each for the tiny model's two GDN
+        layers, where a copy is ~4 us (64 at once); and a copy is the live state's bytes
+        exactly."""
+        self.copy_pages(
+            StateCopy(snap.group_id, manager.live_page(chunk.seq.seq_id, snap.group_id), snap.page)
+            for chunk in chunks
+            for snap in chunk.allocation.snapshots
+            if snap.group_id in self.own_groups and snap.position == chunk.end
+        )
 
 
 def _unspeculated(chunk: ScheduledChunk) -> bool:

@@ -153,6 +153,52 @@ def test_an_engine_prefills_through_the_graph(tmp_path: Path, get_tiny: Any) -> 
     assert graph.step.num_calls > 0
 
 
+def test_a_snapshot_at_a_chunks_end_is_its_live_state_copied(
+    tmp_path: Path, get_tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prefill chunk's snapshot after its last token (the 48-token prompt's state, a
+    sequence end) is not a capture of the graph's: the runner copies the live page into it
+    after the graph. A follow-up turn resumes from it (on a poisoned arena: a missed copy
+    would read NaN), and its reply equals caching off's and transformers'."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here")
+    hf, _ = get_tiny("qwen3_5_text")
+    path = save_checkpoint(hf, tmp_path / "ckpt")
+    first = prompt(53, 48)  # three whole blocks: snapshots at 32 (inside) and 48 (its end)
+    follow_up_tail = prompt(54, 20)
+    replies, cached = [], []
+    for caching in (True, False):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(path),
+                cache_memory_gib=0.02,
+                enable_prefix_caching=caching,
+                poison_cache=True,
+            )
+        )
+        graph = engine.runner.prefill_graph
+        assert graph is not None
+        captured: list[list[int]] = []  # the rows of the graph's captures, each call
+
+        def run(
+            *args: Any, graph: PrefillGraph = graph, captured: list[list[int]] = captured
+        ) -> Any:
+            captured.append([int(r) for rows, _ in args[6] for r in rows])
+            return PrefillGraph.run(graph, *args)
+
+        monkeypatch.setattr(graph, "run", run)
+        reply = generate(engine, "t1", first, 1)[0]
+        if caching:
+            assert captured == [[31]]  # position 32 inside; 48's is a copy
+        follow_up = first + reply + follow_up_tail
+        reply2, hit = generate(engine, "t2", follow_up, 8)
+        replies.append((reply, reply2))
+        cached.append(hit)
+    assert cached == [48, 0]
+    assert replies[0] == replies[1]
+    assert replies[0][1] == hf_greedy(hf, first + replies[0][0] + follow_up_tail, 8)[0]
+
+
 def test_a_step_of_decodes_and_prefills_runs_both_graphs(
     tmp_path: Path, get_tiny: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
