@@ -144,7 +144,7 @@ def run_burst(
     assert batch.has_initial_state is not None
     widths = [1 + c.num_burst_tokens for c in chunks]
     steps = max(widths)
-    all_tables, all_pages = graph.tables_and_pages(batch)
+    all_tables, all_pages = graph.plan.tables_and_pages(batch)
     tables, pages = all_tables, all_pages
     fresh = ~batch.has_initial_state
     ids, positions = batch.input_ids, batch.positions

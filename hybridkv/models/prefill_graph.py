@@ -27,7 +27,8 @@ through AOTInductor's proxy executor, as torch has no C shim for it), and its sn
 are taken inside the forward, as the eager op's are: the state after row ``j`` is
 ``exp(cum_j) S + sum_{i <= j} exp(cum_j - cum_i) k_i v_new_i^T``, written to each
 snapshot's page before the live state is (a step without a snapshot passes the last row
-of its first chunk into its own live page, overwritten after).
+of its first chunk into its own live page, overwritten after). A snapshot at a chunk's
+end is the live state, which the runner copies after the graph instead.
 
 A step holding a longer chunk (a long fresh prompt), drafts or prompt log-probabilities
 runs the eager forward over all its rows, as does one whose attention scores (requests x
@@ -143,7 +144,7 @@ def _conv(
     pages: Tensor,
     fresh: Tensor,
     conv_view: Tensor,
-    weight: Tensor,
+    taps: Tensor,
     capture_rows: Tensor,
     capture_pages: Tensor,
 ) -> Tensor:
@@ -151,10 +152,10 @@ def _conv(
     carried inputs, rounded where the eager layer rounds (fp32 sums, the model dtype
     before the SiLU); the inputs up to each snapshot's row (``capture_rows`` into the
     flattened [R * P]) written to its page, then those up to each request's last real
-    token (``lengths`` [R]) to its live page."""
+    token (``lengths`` [R]) to its live page. ``taps`` [K, C] fp32, contiguous
+    (:meth:`~hybridkv.models.decode_graph.GraphStep.conv_taps`)."""
     requests, width, _ = x.shape
     keep = conv_view.shape[2]
-    taps = weight[:, 0, :].float().T  # [K, C]
     carried = conv_view[pages].masked_fill(fresh[:, None, None], 0.0)  # [R, C, K-1]
     inputs = torch.cat([carried.transpose(1, 2), x.to(conv_view.dtype)], dim=1)  # [R, K-1+P, C]
     acc = x.float() * taps[keep]
@@ -201,6 +202,7 @@ def _gdn(
     lengths: Tensor,
     pages: Tensor,
     fresh: Tensor,
+    taps: Tensor,
     capture_rows: Tensor,
     capture_pages: Tensor,
     caches: tuple[Tensor, ...],
@@ -220,7 +222,7 @@ def _gdn(
         pages,
         fresh,
         conv_view,
-        weights.conv,
+        taps,
         capture_rows,
         capture_pages,
     ).flatten(0, 1)  # [T, C]
@@ -283,7 +285,11 @@ class _Step(GraphStep):
         last = positions[:, 0] + lengths - 1  # [R] the position of each last real token
 
         def mix(
-            _: int, layer_plan: LayerPlan, mixer: nn.Module, h: Tensor, own: tuple[Tensor, ...]
+            index: int,
+            layer_plan: LayerPlan,
+            mixer: nn.Module,
+            h: Tensor,
+            own: tuple[Tensor, ...],
         ) -> Tensor:
             group = layer_plan.group_id
             if layer_plan.kind == "attention":
@@ -291,7 +297,8 @@ class _Step(GraphStep):
                 return _attention(mixer, h, positions, last, table_of[group], *own)
             assert isinstance(mixer, GatedDeltaNet)
             rows, snapshot_pages = captures_of[group]
-            return _gdn(mixer, h, lengths, pages_of[group], fresh, rows, snapshot_pages, own)
+            taps = self.conv_taps(index)
+            return _gdn(mixer, h, lengths, pages_of[group], fresh, taps, rows, snapshot_pages, own)
 
         x = through_layers(model, plan, model.model.embed_tokens(ids.flatten()), caches, mix)
         last_rows = torch.arange(requests, device=ids.device) * width + lengths - 1
@@ -360,8 +367,7 @@ class PrefillGraph:
             batch.input_ids[index],
             batch.positions[index],
             lengths,
-            [batch.block_tables[g] for g in self.plan.attention_groups],
-            [batch.state_pages[g] for g in self.plan.recurrent_groups],
+            *self.plan.tables_and_pages(batch),
             ~batch.has_initial_state,
             captures,
         )

@@ -96,13 +96,25 @@ class StepViews(NamedTuple):
 
 
 class StepParams(NamedTuple):
-    """:class:`MixerWeights` as the step takes them (the epsilon a 0-d tensor)."""
+    """:class:`MixerWeights` as the step takes them (the epsilon a 0-d tensor), and the
+    conv's taps as the fused form reads them."""
 
-    conv: Tensor
+    conv: Tensor  # [C, 1, K]: the eager form's
     a_log: Tensor
     dt_bias: Tensor
     norm: Tensor
     eps: Tensor
+    # [K, C] fp32, contiguous (conv_taps): the fused form's. Taken from ``conv`` inside the
+    # compiled step, their stride of K along the channels kept inductor from vectorising
+    # the conv over them (it folds a .contiguous() into the loads)
+    conv_taps: Tensor
+
+
+def conv_taps(conv_weight: Tensor) -> Tensor:
+    """A depthwise conv weight [C, 1, K] as the fused steps read it: [K, C] in fp32,
+    contiguous, a plain tensor (not an inference one) whatever the caller's mode."""
+    with torch.inference_mode(False), torch.no_grad():
+        return conv_weight[:, 0, :].detach().float().T.contiguous()
 
 
 def _mixer_decode_fused(
@@ -128,12 +140,11 @@ def _mixer_decode_fused(
     too, the recurrence in fp32, its output rounded before the gated norm.
     """
     conv_view, ssm_view, ssm_source = views
-    conv_weight, a_log, dt_bias, norm_weight, eps = params
+    _, a_log, dt_bias, norm_weight, eps, taps = params  # taps [K, C] fp32
     heads, k_dim, v_dim = ssm_view.shape[1:]
     keep = conv_view.shape[2]
     key_dim = (conv_view.shape[1] - heads * v_dim) // 2
     k_heads = key_dim // k_dim
-    taps = conv_weight[:, 0, :].float().T  # [K, C]
 
     # read through the tensor written below: nothing else orders this read before that
     # write (an alias would let the write, which needs only these values, run first)
@@ -189,7 +200,7 @@ def _mixer_decode_eager(
     eager recurrence, the gated norm; the views' ``ssm_source`` unused): where compiling is off or
     fails. The same bits as the layer's former decode-only steps (tested)."""
     conv_view, ssm_view, _ = views
-    conv_weight, a_log, dt_bias, norm_weight, eps = params
+    conv_weight, a_log, dt_bias, norm_weight, eps, _ = params
     heads, k_dim, v_dim = ssm_view.shape[1:]
     key_dim = (conv_view.shape[1] - heads * v_dim) // 2
     decodes = DecodeRows(rows=pages, pages=pages, fresh=fresh)  # (rows: unused)
@@ -211,6 +222,8 @@ _mixer_decode = CompiledOp(_mixer_decode_fused, _mixer_decode_eager)
 
 # the gated norm's epsilons as 0-d tensors (the fused form's argument), one per value
 _EPSILONS: dict[float, Tensor] = {}
+# per conv weight: its taps as the fused form reads them (conv_taps)
+_TAPS: TensorMemo[Tensor] = TensorMemo()
 
 # per page view, role and mode: a tensor over the view's memory (_reading_alias)
 _READ_ALIASES: TensorMemo[Tensor] = TensorMemo()
@@ -288,16 +301,17 @@ class _ExportedStep(torch.nn.Module):
         dt_bias: Tensor,
         norm: Tensor,
         eps: Tensor,
+        taps: Tensor,
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         views = StepViews(conv, ssm, ssm_source)
-        params = StepParams(conv_weight, a_log, dt_bias, norm, eps)
+        params = StepParams(conv_weight, a_log, dt_bias, norm, eps, taps)
         return _mixer_decode_fused(x, z, b, a, pages, fresh, views, params)
 
 
 # what the step's code is made of (a change to one is a new package)
 _SOURCES = (sys.modules[__name__], chunk_operands, naive, paged)
 # the package's inputs with a dynamic first size: the decodes' six, the views' three
-_DYNAMIC_FIRST = (True,) * 9 + (False,) * 5
+_DYNAMIC_FIRST = (True,) * 9 + (False,) * 6
 
 
 class _LoadedStep(NamedTuple):
@@ -327,7 +341,7 @@ def _load_ahead_of_time(flat: tuple[Tensor, ...], views: StepViews) -> None:
 
     def export() -> torch.export.ExportedProgram:
         batch, num_pages = torch.export.Dim("batch", min=1), torch.export.Dim("pages", min=1)
-        shapes = ({0: batch},) * 6 + ({0: num_pages},) * 3 + (None,) * 5
+        shapes = ({0: batch},) * 6 + ({0: num_pages},) * 3 + (None,) * 6
         return torch.export.export(_ExportedStep(), flat, dynamic_shapes=shapes)
 
     step = ahead_of_time.load_or_build(key, export)
@@ -364,12 +378,14 @@ def compiled_ahead_of_time(conv_pages: Tensor, ssm_pages: Tensor) -> bool:
 
 
 def _step_params(weights: MixerWeights) -> StepParams:
-    """The weights as the step takes them, the epsilon a 0-d tensor made once per value."""
+    """The weights as the step takes them, the epsilon a 0-d tensor made once per value
+    and the conv's taps once per weight."""
     eps = _EPSILONS.get(weights.norm_eps)
     if eps is None:  # a plain tensor, whatever the mode of the step that makes it
         with torch.inference_mode(False):
             eps = _EPSILONS[weights.norm_eps] = torch.tensor(weights.norm_eps)
-    return StepParams(weights.conv, weights.a_log, weights.dt_bias, weights.norm, eps)
+    taps = _TAPS.get((weights.conv,), lambda: conv_taps(weights.conv))
+    return StepParams(weights.conv, weights.a_log, weights.dt_bias, weights.norm, eps, taps)
 
 
 def gated_deltanet_decode(
