@@ -16,8 +16,9 @@ decodes go through the decode graph (hybridkv.models.decode_graph), whose snapsh
 after its request's one token, are the live state page copied whole once the graph has
 run, and its prefill chunks through the prefill graph (hybridkv.models.prefill_graph),
 which takes their snapshots inside them, those at a chunk's end again copies of the live
-page after the graph (the prefill graph is loaded only beside a decode graph). Any other step (a longer chunk, drafts, prompt log-probabilities, more attention
-scores than ``prefill_graph.MAX_SCORES``) runs the eager forward over all its rows.
+page after the graph (the prefill graph is loaded only beside a decode graph). Any other
+step (a longer chunk, drafts, prompt log-probabilities, more attention scores than
+``prefill_graph.MAX_SCORES``) runs the eager forward over all its rows.
 A round of decode bursts (hybridkv.engine.decode_burst) runs its decodes through the
 decode graph several times, and returns their tokens instead of logits.
 """
