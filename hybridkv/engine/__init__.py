@@ -22,6 +22,7 @@ _HOMES = {
     "Logprob": "hybridkv.engine.outputs",
     "RequestMetrics": "hybridkv.engine.outputs",
     "RequestOutput": "hybridkv.engine.outputs",
+    "RequestOutputKind": "hybridkv.sched.sampling_params",
     "SamplingParams": "hybridkv.sched.sampling_params",
 }
 
@@ -33,6 +34,7 @@ __all__ = [
     "Logprob",
     "RequestMetrics",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
 ]
 

@@ -125,3 +125,26 @@ class IncrementalDetokenizer:
         if after.startswith(before):
             return after[len(before) :]
         return self._tokenizer.decode(self._held, skip_special_tokens=skip)
+
+
+def whole_text(
+    tokenizer: Tokenizer,
+    prompt_token_ids: Sequence[int],
+    output_ids: Sequence[int],
+    skip_special_tokens: bool,
+) -> str:
+    """A finished output's text decoded at once: the prompt's last
+    :data:`PROMPT_CONTEXT_TOKENS` ids and the output, less the context's text (the output
+    alone where that context decodes to nothing or ends inside a character). What
+    :meth:`IncrementalDetokenizer.final_text` gives wherever the decoder is
+    prefix-stable (module doc), for two decodes in place of one per token: the text of
+    a request nobody reads before it finishes (``RequestOutputKind.FINAL_ONLY``)."""
+    context = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+    decode = tokenizer.decode
+    if context:
+        context_text = decode(context, skip_special_tokens=skip_special_tokens)
+        if context_text and not context_text.endswith(REPLACEMENT_CHAR):
+            full = decode(context + list(output_ids), skip_special_tokens=skip_special_tokens)
+            if full.startswith(context_text):
+                return full[len(context_text) :]
+    return decode(list(output_ids), skip_special_tokens=skip_special_tokens)

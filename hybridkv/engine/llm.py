@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from rich.progress import Progress
@@ -27,7 +27,7 @@ from hybridkv.engine.inputs import PromptType
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.engine.outputs import RequestOutput
 from hybridkv.models.tokenizer import Tokenizer
-from hybridkv.sched.sampling_params import SamplingParams
+from hybridkv.sched.sampling_params import RequestOutputKind, SamplingParams
 
 Message = Mapping[str, Any]
 
@@ -99,6 +99,7 @@ class LLM:
                 )
         else:
             params = [sampling_params or self.get_default_sampling_params()] * len(batch)
+        params = _final_only(params)
         for prompt, p in zip(batch, params, strict=True):  # check all before queueing any
             self.engine.validate_request(prompt, p)
         with self._step_lock:
@@ -172,6 +173,17 @@ class LLM:
         """:meth:`LLMEngine.stats` between two steps (the capacity report included)."""
         with self._step_lock:
             return self.engine.stats()
+
+
+def _final_only(params: list[SamplingParams]) -> list[SamplingParams]:
+    """``params`` asking for the final output only (vLLM's LLM does the same): ``generate``
+    returns nothing else, so the engine need not build an output every step nor, without
+    stop strings, decode the text a token at a time. Copies: the caller's are unchanged."""
+    copies: dict[int, SamplingParams] = {}
+    for p in params:
+        if id(p) not in copies:
+            copies[id(p)] = replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+    return [copies[id(p)] for p in params]
 
 
 def render_chat(

@@ -8,6 +8,7 @@ clients, and a bad one found later inside a batch would fail the other requests 
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,21 @@ MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value
 MAX_PENALTY = 2.0  # OpenAI's range for presence_penalty and frequency_penalty
 GREEDY_BELOW = 1e-5  # vLLM's rule: a smaller temperature is greedy (1/T would overflow)
 SEED_RANGE = (-(1 << 63), 1 << 64)  # what torch.Generator.manual_seed accepts
+
+
+class RequestOutputKind(enum.Enum):
+    """Which outputs a running request gives (vLLM's enum and values).
+
+    CUMULATIVE: after every step that moved it, all its tokens and text so far.
+    FINAL_ONLY: one output, when it finishes; ``LLM.generate`` and ``LLM.chat`` ask for
+    it. Without stop strings or a grammar, which read the text as it grows, its text is
+    then decoded once, at the end (``detokenizer.whole_text``), not a token at a time.
+    DELTA (vLLM's new-tokens-only outputs) is refused: nothing here gives it yet.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _is_int(value: object) -> bool:
@@ -105,6 +121,8 @@ class SamplingParams:
             a multi-token word's last token is banned once the others were generated).
         structured_outputs: a grammar the output must follow (JSON schema, regex,
             choice, grammar); see :class:`StructuredOutputsParams`.
+        output_kind: every step's output, or only the final one
+            (:class:`RequestOutputKind`).
     """
 
     n: int = 1
@@ -128,6 +146,7 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: tuple[str, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -164,6 +183,11 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.output_kind not in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            raise ValueError(
+                "output_kind must be RequestOutputKind.CUMULATIVE or FINAL_ONLY (DELTA is not "
+                f"supported), got {self.output_kind!r}"
+            )
         self._check_logits_processors()
 
     def _check_logits_processors(self) -> None:

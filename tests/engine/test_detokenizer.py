@@ -3,9 +3,11 @@ the whole decode (the prompt's last ids + the output, less their text) wherever 
 is prefix-stable, streamed text only grows, and the decode work per token does not grow
 with the output.
 
-Three tokenizers: the tests' byte-level one (``write_tokenizer``), the Metaspace word one
-(Llama/Mistral-style leading space) and a byte-fallback one (Gemma / Llama 2-style: its
-decode rewrites earlier text on invalid bytes). Unit tests first, then through the engine.
+``whole_text`` (a finished output decoded at once, for requests nobody reads before they
+finish) gives the same final text. Three tokenizers: the tests' byte-level one
+(``write_tokenizer``), the Metaspace word one (Llama/Mistral-style leading space) and a
+byte-fallback one (Gemma / Llama 2-style: its decode rewrites earlier text on invalid
+bytes). Unit tests first, then through the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from hybridkv.engine.detokenizer import (
     MAX_HELD_IDS,
     PROMPT_CONTEXT_TOKENS,
     IncrementalDetokenizer,
+    whole_text,
 )
 from hybridkv.engine.stopping import append_and_check, streamable_text
 from hybridkv.models.tokenizer import Tokenizer
@@ -109,6 +112,7 @@ def test_valid_utf8_reads_as_the_whole_decode(
         texts = list(pushed(detokenizer, output))
         assert_grows([*texts, detokenizer.final_text()])
         assert detokenizer.final_text() == full_decode(tok, prompt_ids, output, skip)
+        assert whole_text(tok, prompt_ids, output, skip) == detokenizer.final_text()
         if kind == "byte_fallback":
             continue
         for k, text in enumerate(texts, start=1):
@@ -138,6 +142,7 @@ def test_any_ids_read_as_the_whole_decode_with_a_byte_level_tokenizer(
             whole = full_decode(tok, prompt_ids, output[:k], skip)
             assert streamable_text(text, ()) == streamable_text(whole, ()), (prompt_ids, output)
         assert detokenizer.final_text() == full_decode(tok, prompt_ids, output, skip)
+        assert whole_text(tok, prompt_ids, output, skip) == detokenizer.final_text()
         assert_grows([*texts, detokenizer.final_text()])
 
 

@@ -17,7 +17,7 @@ from hybrid_checks import prompt
 from tiny import write_metaspace_tokenizer
 
 from hybridkv import LLM, SamplingParams
-from hybridkv.engine import LLMEngine
+from hybridkv.engine import LLMEngine, RequestOutputKind
 
 
 def ids(seed: int, n: int = 20) -> dict[str, list[int]]:
@@ -148,3 +148,57 @@ def test_bench_replay_reports_each_requests_first_token(llm: LLM) -> None:
     assert result.ttft_mean_s == pytest.approx(sum(result.ttft_s.values()) / len(ids))
     assert result.ttft_mean_steps == sum(result.ttft_steps.values()) / len(ids)
     assert "ttft_s" not in result.to_json() and "replies" not in result.to_json()
+
+
+def test_final_only_requests_give_one_output_with_the_same_text(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RequestOutputKind.FINAL_ONLY (what ``LLM.generate`` asks for): one output per
+    request, when it finishes, with the tokens and text of CUMULATIVE's last output.
+    Without stop strings the text is decoded once, at the end (no detokenizer is made);
+    with them it grows as before, since the stops read it."""
+    engine = llm.engine
+    made: list[str] = []
+    detokenizer = engine._detokenizer
+
+    def counting(seq: Any, req: Any) -> Any:
+        made.append(req.request_id)
+        return detokenizer(seq, req)
+
+    monkeypatch.setattr(engine, "_detokenizer", counting)
+    base = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    for stop in (None, ["\x00\x01never"]):
+        runs = {}
+        for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+            made.clear()
+            params = SamplingParams(**base, stop=stop, output_kind=kind)
+            for i in range(3):
+                engine.add_request(f"{kind.name}-{stop}-{i}", ids(40 + i), params)
+            outputs = drain(engine)
+            runs[kind] = (outputs, set(made))
+        cumulative, final_only = (
+            runs[RequestOutputKind.CUMULATIVE],
+            runs[RequestOutputKind.FINAL_ONLY],
+        )
+        assert len(cumulative[0]) > 3  # several outputs a request
+        assert len(final_only[0]) == 3 and all(o.finished for o in final_only[0])
+        last = {o.request_id.split("-", 1)[1]: o for o in cumulative[0] if o.finished}
+        for out in final_only[0]:
+            twin = last[out.request_id.split("-", 1)[1]]
+            assert out.outputs[0].token_ids == twin.outputs[0].token_ids
+            assert out.outputs[0].text == twin.outputs[0].text
+            assert out.outputs[0].text  # the byte tokenizer decodes every id to something
+        assert len(cumulative[1]) == 3
+        assert len(final_only[1]) == (3 if stop else 0)
+    assert_idle(engine)
+
+
+def test_generate_asks_for_final_outputs_and_leaves_the_callers_params(llm: LLM) -> None:
+    params = SamplingParams(max_tokens=3, temperature=0)
+    outs = llm.generate([ids(50), ids(51)], params, use_tqdm=False)
+    assert all(o.finished for o in outs)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+    with pytest.raises(ValueError, match="DELTA is not supported"):
+        SamplingParams(output_kind=RequestOutputKind.DELTA)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind=2)  # type: ignore[arg-type]
