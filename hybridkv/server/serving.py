@@ -13,14 +13,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from hybridkv.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from hybridkv.sched.sampling_params import GREEDY_BELOW, SamplingParams
+from hybridkv.sched.sampling_params import GREEDY_BELOW, RequestOutputKind, SamplingParams
 from hybridkv.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from hybridkv.server.errors import APIError, error_body
 from hybridkv.server.metrics import ServerMetrics
@@ -586,6 +586,8 @@ async def respond(
     A non-streaming client that leaves gets its requests cancelled (status 499, read by
     nobody), and an engine failure becomes an OpenAI error.
     """
+    if not stream:  # only the final output is read: the engine need build no other
+        params = replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
     handles = open_streams(ctx, fmt.request_id, prompts, params)
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from server_helpers import MODEL_NAME, LiveServer, wait_idle
 
-from hybridkv.engine import LLM, SamplingParams
+from hybridkv.engine import LLM, RequestOutputKind, SamplingParams
 
 COMPLETIONS = "/v1/completions"
 PROMPTS = ["The cat", "A dog barks at", "Rain"]
@@ -174,3 +174,31 @@ def test_lm_eval_loglikelihood_task_end_to_end(
         [[(loglikelihood, _greedy)]] = sample["resps"]
         assert float(loglikelihood) == pytest.approx(expected, abs=1e-3)
     wait_idle(httpx.Client(base_url=live.base_url))
+
+
+def test_a_non_streaming_request_asks_the_engine_for_its_final_output_only(
+    http: httpx.Client, live: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nobody reads a non-streaming request's outputs before it finishes, so it is queued
+    as RequestOutputKind.FINAL_ONLY (no output per step, the text decoded once); a
+    streamed one stays CUMULATIVE. Both answer the same tokens and text."""
+    engine = live.engine
+    kinds: list[RequestOutputKind] = []
+    add_request = engine.add_request
+
+    def recording(request_id: str, prompt: Any, params: Any = None, **kwargs: Any) -> None:
+        kinds.append(params.output_kind)
+        add_request(request_id, prompt, params, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", recording)
+    body = {"model": MODEL_NAME, "prompt": "The cat", "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    plain = http.post(COMPLETIONS, json=body)
+    assert plain.status_code == 200, plain.text
+    with http.stream("POST", COMPLETIONS, json={**body, "stream": True}) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: {")]
+    streamed = [json.loads(e)["choices"][0] for e in events if json.loads(e)["choices"]]
+    assert kinds == [RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE]
+    choice = plain.json()["choices"][0]
+    assert "".join(c["text"] for c in streamed) == choice["text"]
+    assert [t for c in streamed for t in c.get("token_ids") or []] == choice["token_ids"]
