@@ -150,7 +150,9 @@ def run_burst(
     ids, positions = batch.input_ids, batch.positions
     device = ids.device
     tokens = torch.empty(len(chunks), steps, dtype=torch.long, device=device)
-    finite = torch.ones(len(chunks), steps, dtype=torch.bool, device=device)
+    # each token's logit: a forward whose row is NaN or all -inf has no token to give,
+    # found once at the end (max's index is argmax's, ties and NaN included)
+    top_logits = torch.zeros(len(chunks), steps, device=device)
     due = snapshots_by_forward(chunks, manager, own_groups)
     rows = list(range(len(chunks)))
     index: Tensor | None = None  # the rows still running, where fewer than all
@@ -165,19 +167,18 @@ def run_burst(
             positions = batch.positions[index] + j
             ids = tokens[index, j - 1]
         logits = graph.run(ids, positions, tables, pages, fresh)
-        chosen = logits.argmax(dim=-1)
-        ok = torch.isfinite(logits.gather(1, chosen[:, None]))[:, 0]
+        top, chosen = logits.max(dim=-1)
         if index is None:
             tokens[:, j] = chosen
-            finite[:, j] = ok
+            top_logits[:, j] = top
         else:
             tokens[index, j] = chosen
-            finite[index, j] = ok
+            top_logits[index, j] = top
         copy_pages(due.get(j, ()))
         ids, positions = chosen, positions + 1
         if j == 0:
             fresh = torch.zeros_like(fresh)  # every state has been written now
-    return BurstTokens(tokens.tolist(), finite.tolist())
+    return BurstTokens(tokens.tolist(), torch.isfinite(top_logits).tolist())
 
 
 def snapshots_by_forward(
