@@ -10,7 +10,8 @@ once per burst and the per-token Python is the stop check alone (vLLM v0's multi
 scheduling, ``num_scheduler_steps``, did this for the same reason).
 
 How long (:func:`burst_length`): as many forwards as fit in ``BURST_BUDGET_S`` (25 ms) at
-the last decode round's time per forward, at most ``decode_burst``: the tiny model's
+the recent decode rounds' time per forward (:class:`ForwardTimes`), at most
+``decode_burst``: the tiny model's
 64-row forward (~3 ms) bursts 8 times, a forward of 40 ms not at all (there the round's
 Python is a small part, and the burst would hold a streaming client's tokens back).
 
@@ -41,6 +42,8 @@ admitted. The time budget bounds both to about 25 ms.
 
 from __future__ import annotations
 
+import collections
+import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -61,6 +64,25 @@ from hybridkv.sched.scheduler import ScheduledChunk
 # short; so a burst runs as many forwards as fit in this budget (the last decode round's
 # time per forward), at most ``decode_burst``.
 BURST_BUDGET_S = 0.025
+
+
+class ForwardTimes:
+    """Seconds per forward of the last few rounds of decodes alone, whose median sets how
+    long a burst may be (:func:`burst_length`). The median, not the last round's: on a
+    shared machine one round slowed 2-5x by another process would cut the next bursts
+    short, and each shorter burst costs a round's Python more (the tiny model's 64 x 32
+    tokens ran in 5 to 9 rounds as the last round's time came out)."""
+
+    def __init__(self, keep: int = 5) -> None:
+        self._times: collections.deque[float] = collections.deque(maxlen=keep)
+
+    def add(self, seconds_per_forward: float) -> None:
+        self._times.append(seconds_per_forward)
+
+    @property
+    def typical(self) -> float | None:
+        """The median of the rounds kept; None before the first."""
+        return statistics.median(self._times) if self._times else None
 
 
 def burst_length(max_burst: int, forward_s: float | None) -> int:

@@ -34,7 +34,7 @@ from hybridkv.engine.config import (
     EngineConfig,
     loader_cache_dtype,
 )
-from hybridkv.engine.decode_burst import burst_length, plan_burst
+from hybridkv.engine.decode_burst import ForwardTimes, burst_length, plan_burst
 from hybridkv.engine.detokenizer import IncrementalDetokenizer, whole_text
 from hybridkv.engine.gc_heap import collector_paused, freeze_startup_heap
 from hybridkv.engine.generation_defaults import default_sampling
@@ -213,9 +213,9 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_steps = 0
         self.num_burst_forwards = 0  # forwards of decode bursts past each round's first
-        # seconds per forward of the last round of decodes alone (None: none yet), which
-        # sets how long a decode burst may be (decode_burst.burst_length)
-        self._forward_s: float | None = None
+        # seconds per forward of the recent rounds of decodes alone, which set how long a
+        # decode burst may be (decode_burst.burst_length)
+        self._forward_times = ForwardTimes()
 
     @classmethod
     def from_model(cls, model: str, **options: Any) -> LLMEngine:
@@ -357,7 +357,9 @@ class LLMEngine:
         else:
             plan_burst(
                 self.scheduler.running,
-                burst_length(self.config.decode_burst, self._forward_s) if self._may_burst() else 1,
+                burst_length(self.config.decode_burst, self._forward_times.typical)
+                if self._may_burst()
+                else 1,
                 self.max_model_len,
                 lambda seq: is_plain_greedy(self._row_context(seq)),
             )
@@ -392,7 +394,7 @@ class LLMEngine:
                     self._record_prompt_logprobs(sched.chunks, logits, touched)
                     sampled = self._sample(sched.chunks, logits.last)
                 if all(c.known_end - c.start == 1 for c in sched.chunks):  # decodes alone
-                    self._forward_s = (time.perf_counter() - started) / forwards
+                    self._forward_times.add((time.perf_counter() - started) / forwards)
                 if self.speculator is not None:  # what verification costs, measured
                     self.speculator.observe_step(sched.chunks, time.perf_counter() - started)
             except Exception as exc:  # never leave sequences holding pages after a crash

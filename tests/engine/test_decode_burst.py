@@ -18,7 +18,13 @@ from tiny import hf_greedy
 
 from hybridkv.core.ids import ReqId
 from hybridkv.engine import EngineConfig, LLMEngine
-from hybridkv.engine.decode_burst import BURST_BUDGET_S, BurstTokens, burst_length, plan_burst
+from hybridkv.engine.decode_burst import (
+    BURST_BUDGET_S,
+    BurstTokens,
+    ForwardTimes,
+    burst_length,
+    plan_burst,
+)
 from hybridkv.ops import ahead_of_time
 from hybridkv.ops.compiled import compile_enabled
 from hybridkv.sched.request import Sequence
@@ -247,3 +253,19 @@ def test_a_burst_runs_the_forwards_that_fit_in_its_time_budget() -> None:
     assert burst_length(8, BURST_BUDGET_S / 3) == 3
     assert burst_length(8, BURST_BUDGET_S * 2) == 1
     assert burst_length(1, BURST_BUDGET_S / 100) == 1
+
+
+def test_one_slow_round_does_not_shorten_the_next_bursts() -> None:
+    """The burst's length follows the median of the recent rounds' time per forward: a
+    round slowed by another process does not cut the next bursts short; a lasting change
+    is followed within a few rounds."""
+    times = ForwardTimes(keep=5)
+    assert times.typical is None
+    usual = BURST_BUDGET_S / 10
+    for _ in range(4):
+        times.add(usual)
+    times.add(usual * 5)  # one slow round
+    assert burst_length(8, times.typical) == 8
+    for _ in range(2):
+        times.add(usual * 5)  # slower from now on
+    assert burst_length(8, times.typical) == 2
