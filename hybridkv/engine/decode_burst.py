@@ -11,9 +11,9 @@ scheduling, ``num_scheduler_steps``, did this for the same reason).
 
 How long (:func:`burst_length`): as many forwards as fit in ``BURST_BUDGET_S`` (25 ms) at
 the recent decode rounds' time per forward (:class:`ForwardTimes`), at most
-``decode_burst``: the tiny model's
-64-row forward (~3 ms) bursts 8 times, a forward of 40 ms not at all (there the round's
-Python is a small part, and the burst would hold a streaming client's tokens back).
+``decode_burst``: the tiny model's 64-row forward (~3 ms) bursts 8 times, a forward of
+40 ms not at all (there the round's Python is a small part, and the burst would hold a
+streaming client's tokens back).
 
 When (:func:`plan_burst`): every running sequence decodes, is plain greedy (its token is
 its raw argmax: no processors, penalties, grammar or logprobs, the sampler's
@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import collections
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -203,6 +203,19 @@ def run_burst(
     return BurstTokens(tokens.tolist(), torch.isfinite(top_logits).tolist())
 
 
+def snapshot_copies(
+    chunks: list[ScheduledChunk], manager: CacheManager, own_groups: set[int]
+) -> Iterator[tuple[ScheduledChunk, int, StateCopy]]:
+    """(chunk, position, the copy of its live page into the snapshot's page) for each
+    snapshot of ``chunks`` in ``own_groups``: what a snapshot taken after a forward is
+    (here after each forward of a burst; the runner's after a graph's last row)."""
+    for chunk in chunks:
+        for snap in chunk.allocation.snapshots:
+            if snap.group_id in own_groups:
+                live = manager.live_page(chunk.seq.seq_id, snap.group_id)
+                yield chunk, snap.position, StateCopy(snap.group_id, live, snap.page)
+
+
 def snapshots_by_forward(
     chunks: list[ScheduledChunk], manager: CacheManager, own_groups: set[int]
 ) -> dict[int, list[StateCopy]]:
@@ -210,12 +223,6 @@ def snapshots_by_forward(
     a chunk from ``start`` holds the state after the forward of position - 1, the
     (position - 1 - start)-th (a one-token chunk's, all after forward 0)."""
     due: dict[int, list[StateCopy]] = {}
-    for chunk in chunks:
-        for snap in chunk.allocation.snapshots:
-            if snap.group_id not in own_groups:
-                continue
-            live = manager.live_page(chunk.seq.seq_id, snap.group_id)
-            due.setdefault(snap.position - 1 - chunk.start, []).append(
-                StateCopy(snap.group_id, live, snap.page)
-            )
+    for chunk, position, copy in snapshot_copies(chunks, manager, own_groups):
+        due.setdefault(position - 1 - chunk.start, []).append(copy)
     return due

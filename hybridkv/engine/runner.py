@@ -35,7 +35,7 @@ from hybridkv.core.ids import NULL_PAGE, ReqId
 from hybridkv.core.layout import ArenaLayout
 from hybridkv.core.manager import CacheManager, StateCopy
 from hybridkv.core.spec import GroupSpec, ModelSpec
-from hybridkv.engine.decode_burst import BurstTokens, run_burst
+from hybridkv.engine.decode_burst import BurstTokens, run_burst, snapshot_copies
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
 from hybridkv.models import prefill_graph
@@ -309,10 +309,9 @@ class ModelRunner:
         layers, where a copy is ~4 us (64 at once); and a copy is the live state's bytes
         exactly."""
         self.copy_pages(
-            StateCopy(snap.group_id, manager.live_page(chunk.seq.seq_id, snap.group_id), snap.page)
-            for chunk in chunks
-            for snap in chunk.allocation.snapshots
-            if snap.group_id in self.own_groups and snap.position == chunk.end
+            copy
+            for chunk, position, copy in snapshot_copies(chunks, manager, self.own_groups)
+            if position == chunk.end
         )
 
 
