@@ -28,6 +28,10 @@ from hybridkv.engine.spec_decode.config import SpeculativeConfig
 
 DEFAULT_CACHE_MEMORY_GIB = 2.0  # vLLM's CPU backend reserves 4 GiB; our test models are tiny
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+# the offline API's (LLM's): vLLM's CPU defaults are 4096 for its LLM class and 2048 for its
+# server (engine/arg_utils.py); offline, nobody waits for a first token, so a step may
+# prefill twice as much (64 prompts of 48 tokens in one step, not two)
+OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's --dtype accepts these too
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -97,7 +101,7 @@ class EngineConfig:
             one such sequence, else the most it holds (the startup report says so and why).
         max_num_seqs: sequences running at once at most.
         max_num_batched_tokens: tokens in one step (prefill chunks + decodes) at most
-            (default 2048).
+            (default 2048; ``LLM``'s 4096, vLLM's CPU defaults for its server and LLM).
         gpu_memory_utilization: the cache gets this fraction of the device's memory still
             available once the weights are loaded; on CPU, of the available RAM
             (MemAvailable). Give it or cache_memory_gib; neither: 2 GiB.

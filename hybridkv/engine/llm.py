@@ -22,7 +22,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from hybridkv.engine.config import EngineConfig
+from hybridkv.engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from hybridkv.engine.inputs import PromptType
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.engine.outputs import RequestOutput
@@ -43,7 +43,8 @@ class LLM:
     """Offline generation with continuous batching and hybrid prefix caching.
 
     Keyword options are :class:`EngineConfig`'s fields, under vLLM's names where vLLM has
-    one (max_model_len, max_num_seqs, max_num_batched_tokens, gpu_memory_utilization,
+    one (max_model_len, max_num_seqs, max_num_batched_tokens (here 4096 unless given, as
+    vLLM's CPU default for its LLM class), gpu_memory_utilization,
     cache_memory_gib, block_size, enable_prefix_caching, dtype, kv_cache_dtype,
     generation_config, chat_template, tokenizer, trust_remote_code, seed, ...). Start-up
     logs the capacity report (logger ``hybridkv.engine``); :meth:`stats` holds it too.
@@ -61,6 +62,7 @@ class LLM:
                 f"LLM() got unknown option(s) {unknown}; the options are EngineConfig's: "
                 f"{sorted(known - {'model'})}"
             )
+        options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
         self.engine = LLMEngine(EngineConfig(model=str(model), **options))
         self._ids = itertools.count()
         self._step_lock = threading.Lock()  # one thread steps the engine at a time

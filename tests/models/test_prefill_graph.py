@@ -15,10 +15,13 @@ import torch
 from hybrid_checks import assert_close, prompt
 from paged_runner import PagedRunner
 from test_decode_graph import _rewinder, _views, engines_on_and_off, generate, prefilled
-from tiny import hf_greedy, save_checkpoint
+from tiny import hf_greedy, make_hf_model, save_checkpoint
 
 from hybridkv.engine import EngineConfig, LLMEngine
+from hybridkv.engine import runner as runner_module
+from hybridkv.engine.runner import layer_heads, prefill_group_size
 from hybridkv.models import prefill_graph
+from hybridkv.models.loader import load_model
 from hybridkv.models.prefill_graph import (
     MAX_TOKENS,
     PrefillGraph,
@@ -301,3 +304,77 @@ def test_steps_past_the_score_budget_run_eagerly(
     monkeypatch.setattr(prefill_graph, "MAX_SCORES", 4 * 60 * 64)
     assert generate(engine, "fits", second, 12)[0] == hf_greedy(hf, second, 12)[0]
     assert graph.step.num_calls > calls
+
+
+def test_prefill_chunks_run_in_groups_that_fit_the_l2() -> None:
+    """A request's intermediates (4 x tokens x max(tokens, keys) fp32 per head) size the
+    groups: the tiny model's 48-token prompts 14 to a call, 128-token chunks 2, a chunk
+    over many keys alone."""
+    assert prefill_group_size(4, 48, 48) == runner_module.PREFILL_GROUP_BYTES // (4 * 4 * 48 * 48)
+    assert prefill_group_size(4, 48, 48) == 14
+    assert prefill_group_size(4, 128, 128) == 2
+    assert prefill_group_size(4, 48, 480) == 1
+    assert prefill_group_size(32, 128, 4096) == 1  # never fewer than one
+
+
+def test_the_most_heads_of_a_layer(tmp_path: Path, get_tiny: Any) -> None:
+    """Attention's query heads or GDN's value heads, whichever a layer has more of."""
+    _, lm = get_tiny("qwen3_5_text")
+    assert layer_heads(lm.model) == 4  # 4 query heads, 4 value heads
+    wide = make_hf_model("qwen3_5_text", linear_num_value_heads=8)
+    assert layer_heads(load_model(save_checkpoint(wide, tmp_path), "float32").model) == 8
+
+
+def test_a_steps_prefills_in_groups_equal_one_call(
+    tmp_path: Path, get_tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seven prompts of unequal lengths prefilled in one step run the graph in groups of
+    two (each its own width) on a poisoned arena, caching on (snapshots inside and at the
+    ends); their replies equal those of one call (caching off) and transformers', and a
+    follow-up turn resumes from the end snapshot of a prompt in the second group."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here")
+    hf, _ = get_tiny("qwen3_5_text")
+    path = save_checkpoint(hf, tmp_path / "ckpt")
+    prompts = {f"r{i}": prompt(80 + i, 17 + 7 * i) for i in range(7)}  # 17 .. 59 tokens
+    prompts["r3"] = prompt(83, 48)  # its end snapshot (48) a copy after its group's call
+    replies: dict[bool, dict[str, list[int]]] = {}
+    for caching in (True, False):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(path),
+                cache_memory_gib=0.02,
+                enable_prefix_caching=caching,
+                poison_cache=True,
+            )
+        )
+        graph = engine.runner.prefill_graph
+        assert graph is not None
+        calls: list[tuple[int, int]] = []  # (requests, width) of each call
+
+        def run(*args: Any, graph: PrefillGraph = graph, calls: list = calls) -> Any:
+            calls.append(tuple(args[0].shape))
+            return PrefillGraph.run(graph, *args)
+
+        monkeypatch.setattr(graph, "run", run)
+        monkeypatch.setattr(
+            runner_module, "prefill_group_size", (lambda *_: 2) if caching else (lambda *_: 99)
+        )
+        for request_id, ids in prompts.items():
+            engine.add_request(request_id, ids, SamplingParams(max_tokens=5, temperature=0))
+        replies[caching] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    replies[caching][out.request_id] = list(out.outputs[0].token_ids)
+        if caching:  # the groups' widths: their longest prompts'
+            assert calls == [(2, 24), (2, 48), (2, 52), (1, 59)]
+            follow_up = prompts["r3"] + replies[True]["r3"] + prompt(90, 9)
+            reply, hit = generate(engine, "t2", follow_up, 5)
+            assert hit == 48  # r3's prompt end: read from a poisoned page if not copied
+            assert reply == hf_greedy(hf, follow_up, 5)[0]
+        else:
+            assert calls == [(7, 59)]
+    assert replies[True] == replies[False]
+    for request_id, ids in prompts.items():
+        assert replies[True][request_id] == hf_greedy(hf, ids, 5)[0], request_id
