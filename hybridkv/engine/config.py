@@ -158,10 +158,13 @@ class EngineConfig:
             through the decode graph, each feeding its tokens to the next
             (hybridkv.engine.decode_burst; vLLM v0's num_scheduler_steps): the round's
             Python is paid once for all of them. Only when every running request decodes
-            plain greedily and nobody waits, and only as many as fit in ~25 ms at the last
-            decode round's time per forward (a burst's tokens reach a streaming client
-            together, and a request arriving during it waits for its end); a stop inside
-            a burst ends its request there. 1: off.
+            plain greedily and nobody waits, and only as many as fit in
+            ``decode_burst_budget_ms`` at the recent decode rounds' time per forward; a
+            stop inside a burst ends its request there. 1: off.
+        decode_burst_budget_ms: how long a decode burst may take (a burst's tokens reach a
+            streaming client together, and a request arriving during it waits for its
+            end); None: no bound, ``decode_burst`` forwards whatever they take (``LLM``'s
+            default: offline, nobody streams).
         speculative_config: speculative decoding, vLLM's dict (``{"method": "ngram",
             "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model": DIR,
             ...}``, see :class:`SpeculativeConfig`); None: off.
@@ -197,7 +200,8 @@ class EngineConfig:
     retention_interval: int | None = None
     seed: int = 0
     poison_cache: bool = field(default=False, metadata={"cli": False})
-    decode_burst: int = field(default=8, metadata={"aliases": ("--num-scheduler-steps",)})
+    decode_burst: int = field(default=16, metadata={"aliases": ("--num-scheduler-steps",)})
+    decode_burst_budget_ms: float | None = 25.0
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata={"metavar": "JSON", "parse": json_object_arg}
     )
@@ -209,6 +213,11 @@ class EngineConfig:
         for name in ("max_num_seqs", "block_size", "decode_burst"):
             _check_positive_int(name, getattr(self, name))
         self._check_memory()
+        budget = self.decode_burst_budget_ms
+        if budget is not None and (
+            isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
+        ):
+            raise ValueError(f"decode_burst_budget_ms must be positive or None, got {budget!r}")
         for name, allowed in (
             ("dtype", DTYPES),
             ("kv_cache_dtype", KV_CACHE_DTYPES),

@@ -9,20 +9,28 @@ forward's argmax fed back as the next input on the device, so the round's Python
 once per burst and the per-token Python is the stop check alone (vLLM v0's multi-step
 scheduling, ``num_scheduler_steps``, did this for the same reason).
 
-How long (:func:`burst_length`): as many forwards as fit in ``BURST_BUDGET_S`` (25 ms) at
-the recent decode rounds' time per forward (:class:`ForwardTimes`), at most
-``decode_burst``: the tiny model's 64-row forward (~3 ms) bursts 8 times, a forward of
-40 ms not at all (there the round's Python is a small part, and the burst would hold a
-streaming client's tokens back).
+How long (:func:`burst_length`): as many forwards as fit in the engine's
+``decode_burst_budget_ms`` (25 ms) at the recent decode rounds' time per forward
+(:class:`ForwardTimes`), at most ``decode_burst`` (16): the tiny model's 64-row forward
+(~2.5 ms) bursts 10 times, a forward of 40 ms not at all (there the round's Python is a
+small part, and the burst would hold a streaming client's tokens back). The offline
+``LLM`` sets no budget: nobody streams, and a request another thread adds waits for the
+step lock anyway; its bursts are ``decode_burst`` long (the tiny model's 64 x 32 equal
+replies in 2 decode rounds, not 4: ~10% less time).
 
 When (:func:`plan_burst`): every running sequence decodes, is plain greedy (its token is
 its raw argmax: no processors, penalties, grammar or logprobs, the sampler's
 ``is_plain_greedy``) and nobody waits who could be admitted (a burst round admits nobody;
 with every seat taken nobody could be). Each sequence's burst stops where it must stop
-anyway: its ``max_tokens`` and ``max_model_len``. It still runs past a stop token or
-string, which only the tokens show: the engine keeps the tokens up to the stop and
-finishes the sequence, so the state and KV computed past it are never used (the manager
-drops the snapshots reserved past the kept tokens).
+anyway: its ``max_tokens`` and ``max_model_len``; and at a stop token (its EOS, its
+``stop_token_ids``), seen after each forward: the sequence leaves the batch at once, and
+if requests wait for a seat the whole burst ends there, so the seat it frees is taken at
+the next round, not after the rest of the burst (the others keep the tokens they have
+and go on next round: 256 requests of ~19 tokens on 64 seats ran 8% slower with bursts of
+16 that did not). A stop string, which only the text shows, is found after the burst: the
+engine keeps the tokens up to the stop and finishes the sequence, so the state and KV
+computed past it are never used (the manager drops the snapshots reserved past the kept
+tokens).
 
 Exactness: each forward is the decode graph's, on the same inputs a plain decode step
 gives it (the token, its position, the tables and the live page); the argmax is the one
@@ -44,7 +52,7 @@ from __future__ import annotations
 
 import collections
 import statistics
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -58,11 +66,11 @@ from hybridkv.ops.host_tensors import long_tensor
 from hybridkv.sched.request import Sequence
 from hybridkv.sched.scheduler import ScheduledChunk
 
-# How long a burst may take: the forwards it runs are the wait of a client streaming its
-# tokens (they arrive together) and of a request arriving meanwhile. A burst saves the
-# round's Python (a few milliseconds) per forward, which matters only while a forward is
-# short; so a burst runs as many forwards as fit in this budget (the last decode round's
-# time per forward), at most ``decode_burst``.
+# How long a burst may take by default (EngineConfig.decode_burst_budget_ms): the forwards
+# it runs are the wait of a client streaming its tokens (they arrive together) and of a
+# request arriving meanwhile. A burst saves the round's Python (a few milliseconds) per
+# forward, which matters only while a forward is short; so a burst runs as many forwards as
+# fit in this budget (the recent decode rounds' time per forward), at most ``decode_burst``.
 BURST_BUDGET_S = 0.025
 
 
@@ -85,13 +93,17 @@ class ForwardTimes:
         return statistics.median(self._times) if self._times else None
 
 
-def burst_length(max_burst: int, forward_s: float | None) -> int:
+def burst_length(
+    max_burst: int, forward_s: float | None, budget_s: float | None = BURST_BUDGET_S
+) -> int:
     """Tokens a round may produce per sequence: as many forwards of ``forward_s`` seconds
-    as fit in :data:`BURST_BUDGET_S`, between 1 and ``max_burst``; 1 (a plain step, which
-    measures it) while the forward's time is unknown."""
+    as fit in ``budget_s``, between 1 and ``max_burst``; 1 (a plain step, which measures
+    it) while the forward's time is unknown. No budget (None): ``max_burst``."""
+    if budget_s is None:
+        return max_burst
     if forward_s is None or forward_s <= 0:
         return 1
-    return max(1, min(max_burst, int(BURST_BUDGET_S / forward_s)))
+    return max(1, min(max_burst, int(budget_s / forward_s)))
 
 
 def plan_burst(
@@ -121,10 +133,17 @@ def plan_burst(
 class BurstTokens:
     """A burst round's tokens: ``tokens[i][j]`` is chunk i's token after its j-th forward,
     ``finite[i][j]`` whether that token's logit was finite (a NaN or all -inf row has
-    no token to give); chunk i has ``1 + num_burst_tokens`` of them."""
+    no token to give); chunk i has ``widths[i]`` of them: ``1 + num_burst_tokens``, or
+    fewer after a stop token (its own, or another's that ended the burst)."""
 
     tokens: list[list[int]]
     finite: list[list[bool]]
+    widths: list[int]
+
+    @property
+    def forwards(self) -> int:
+        """The forwards the burst ran."""
+        return max(self.widths)
 
     def sampled(
         self, chunks: list[ScheduledChunk]
@@ -138,8 +157,8 @@ class BurstTokens:
         """
         results: dict[int, list[SampledToken] | SamplingFailure] = {}
         failed: set[int] = set()
-        for i, chunk in enumerate(chunks):
-            width = 1 + chunk.num_burst_tokens
+        for i in range(len(chunks)):
+            width = self.widths[i]
             good = self.finite[i][:width]
             kept = good.index(False) if not all(good) else width
             if kept == 0:
@@ -158,14 +177,20 @@ def run_burst(
     manager: CacheManager,
     copy_pages: Callable[[Iterable[StateCopy]], None],
     own_groups: set[int],
+    stops: list[Collection[int]] | None = None,
+    end_at_first_stop: bool = False,
 ) -> BurstTokens:
     """Run ``chunks`` (decodes, each ``1 + num_burst_tokens`` forwards) through ``graph``
     from ``batch``, the ForwardBatch of their known tokens. A chunk leaves the batch after
-    its last forward; its snapshots are copied from its live page after the forward that
+    its last forward, or after the forward that gave one of its ``stops`` (each chunk's
+    stop token ids; none: none), which with ``end_at_first_stop`` ends the burst for all
+    (module doc); its snapshots are copied from its live page after the forward that
     reaches their position."""
     assert batch.has_initial_state is not None
     widths = [1 + c.num_burst_tokens for c in chunks]
     steps = max(widths)
+    any_stop = sorted(set().union(*stops)) if stops else []
+    stop_ids = long_tensor(any_stop, batch.input_ids.device) if any_stop else None
     all_tables, all_pages = graph.plan.tables_and_pages(batch)
     tables, pages = all_tables, all_pages
     fresh = ~batch.has_initial_state
@@ -180,6 +205,8 @@ def run_burst(
     index: Tensor | None = None  # the rows still running, where fewer than all
     for j in range(steps):
         still = [i for i in rows if widths[i] > j]
+        if not still:  # every chunk stopped, or one ended the burst
+            break
         if len(still) < len(rows):  # some chunks are done (j > 0): the rest go on alone
             rows = still
             index = long_tensor(rows, device)
@@ -197,10 +224,37 @@ def run_burst(
             tokens[index, j] = chosen
             top_logits[index, j] = top
         copy_pages(due.get(j, ()))
+        if stop_ids is not None:
+            assert stops is not None
+            _stop_at(j, chosen, stop_ids, rows, stops, widths, end_at_first_stop)
         ids, positions = chosen, positions + 1
         if j == 0:
             fresh = torch.zeros_like(fresh)  # every state has been written now
-    return BurstTokens(tokens.tolist(), torch.isfinite(top_logits).tolist())
+    return BurstTokens(tokens.tolist(), torch.isfinite(top_logits).tolist(), widths)
+
+
+def _stop_at(
+    j: int,
+    chosen: Tensor,
+    stop_ids: Tensor,
+    rows: list[int],
+    stops: list[Collection[int]],
+    widths: list[int],
+    end_at_first_stop: bool,
+) -> None:
+    """After forward ``j``: the chunks (``rows``, in the batch's order) whose token
+    ``chosen`` is one of their own ``stops`` get no forward after it (their ``widths``
+    cut to ``j + 1``), nor, with ``end_at_first_stop``, does any other. One ``isin`` a
+    forward (``stop_ids``: every chunk's stop ids), rows looked at only on a hit."""
+    hit = torch.isin(chosen, stop_ids)
+    if not bool(hit.any()):
+        return
+    for r, token in zip(hit.nonzero()[:, 0].tolist(), chosen[hit].tolist(), strict=True):
+        if token in stops[rows[r]]:
+            widths[rows[r]] = min(widths[rows[r]], j + 1)
+            if end_at_first_stop:
+                widths[:] = [min(w, j + 1) for w in widths]
+                return
 
 
 def snapshot_copies(

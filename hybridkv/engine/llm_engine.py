@@ -216,6 +216,8 @@ class LLMEngine:
         # seconds per forward of the recent rounds of decodes alone, which set how long a
         # decode burst may be (decode_burst.burst_length)
         self._forward_times = ForwardTimes()
+        budget_ms = config.decode_burst_budget_ms
+        self._burst_budget_s = None if budget_ms is None else budget_ms / 1000
 
     @classmethod
     def from_model(cls, model: str, **options: Any) -> LLMEngine:
@@ -357,7 +359,9 @@ class LLMEngine:
         else:
             plan_burst(
                 self.scheduler.running,
-                burst_length(self.config.decode_burst, self._forward_times.typical)
+                burst_length(
+                    self.config.decode_burst, self._forward_times.typical, self._burst_budget_s
+                )
                 if self._may_burst()
                 else 1,
                 self.max_model_len,
@@ -384,8 +388,14 @@ class LLMEngine:
                 failed_after: set[int] = set()
                 forwards = 1 + max(c.num_burst_tokens for c in sched.chunks)
                 if forwards > 1:
-                    burst = self.runner.execute_burst(sched.chunks, self.manager)
+                    burst = self.runner.execute_burst(
+                        sched.chunks,
+                        self.manager,
+                        [self._row_context(c.seq).stop_ids for c in sched.chunks],
+                        end_at_first_stop=bool(self.scheduler.waiting),
+                    )
                     sampled, failed_after = burst.sampled(sched.chunks)
+                    forwards = burst.forwards
                     self.num_burst_forwards += forwards - 1
                 else:
                     logits = self.runner.execute(

@@ -253,14 +253,28 @@ class ModelRunner:
         return StepLogits(logits[last], rows)
 
     @torch.inference_mode()
-    def execute_burst(self, chunks: list[ScheduledChunk], manager: CacheManager) -> BurstTokens:
+    def execute_burst(
+        self,
+        chunks: list[ScheduledChunk],
+        manager: CacheManager,
+        stops: list[Collection[int]] | None = None,
+        end_at_first_stop: bool = False,
+    ) -> BurstTokens:
         """Run a round of decode bursts (its chunks all decodes, some with
-        ``num_burst_tokens``) through the decode graph: the tokens of all its forwards."""
+        ``num_burst_tokens``) through the decode graph: the tokens of all its forwards
+        (each chunk's up to one of its ``stops``: :func:`decode_burst.run_burst`)."""
         assert self.decode_graph is not None and self.bursts, "bursts need the decode graph"
         assert all(c.known_end - c.start == 1 and _unspeculated(c) for c in chunks), chunks
         batch = self.build_batch(chunks, manager)
         return run_burst(
-            self.decode_graph, batch, chunks, manager, self.copy_pages, self.own_groups
+            self.decode_graph,
+            batch,
+            chunks,
+            manager,
+            self.copy_pages,
+            self.own_groups,
+            stops,
+            end_at_first_stop,
         )
 
     def _run_graphs(self, chunks: list[ScheduledChunk], manager: CacheManager) -> Tensor | None:

@@ -1,5 +1,5 @@
 """Decode bursts (hybridkv.engine.decode_burst) change how many rounds a reply takes, never
-the reply: with bursts (the default, ``decode_burst=8``) every reply equals the engine's
+the reply: with bursts (the default, ``decode_burst=16``) every reply equals the engine's
 one-token steps (``decode_burst=1``) and transformers' greedy tokens, caching on and off,
 on a poisoned cache (a read of memory nobody wrote shows as NaN logits).
 
@@ -17,7 +17,7 @@ from hybrid_checks import prompt
 from tiny import hf_greedy
 
 from hybridkv.core.ids import ReqId
-from hybridkv.engine import EngineConfig, LLMEngine
+from hybridkv.engine import LLM, EngineConfig, LLMEngine
 from hybridkv.engine.decode_burst import (
     BURST_BUDGET_S,
     BurstTokens,
@@ -41,11 +41,16 @@ class Reply(NamedTuple):
     stop_reason: int | str | None
 
 
-def engine(path: Path, *, caching: bool = True, burst: int = 8) -> LLMEngine:
+def engine(path: Path, *, caching: bool = True, burst: int = 8, **options: Any) -> LLMEngine:
     if not ahead_of_time.available() or not compile_enabled():
         pytest.skip("packages are off here: no decode graph to burst through")
     return LLMEngine(
-        EngineConfig(model=str(path), enable_prefix_caching=caching, decode_burst=burst, **OPTIONS)
+        EngineConfig(
+            model=str(path),
+            enable_prefix_caching=caching,
+            decode_burst=burst,
+            **{**OPTIONS, **options},
+        )
     )
 
 
@@ -169,6 +174,131 @@ def test_a_request_arriving_during_bursts_waits_for_the_round_and_replies_as_alo
     assert replies["late"].tokens == hf_greedy(hf, late, 10)[0]
 
 
+class Round(NamedTuple):
+    """A burst round: each chunk's request, forwards planned and forwards run."""
+
+    names: list[str]
+    planned: list[int]
+    ran: list[int]
+
+
+def burst_rounds(llm: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> list[Round]:
+    """The engine's burst rounds, noted as they run."""
+    rounds: list[Round] = []
+    real = llm.runner.execute_burst
+
+    def noted(chunks: Any, *args: Any, **kwargs: Any) -> BurstTokens:
+        out = real(chunks, *args, **kwargs)
+        names = [c.seq.request_id for c in chunks]
+        rounds.append(Round(names, [1 + c.num_burst_tokens for c in chunks], out.widths))
+        return out
+
+    monkeypatch.setattr(llm.runner, "execute_burst", noted)
+    return rounds
+
+
+def stop_after(path: Path, ids: list[int], n: int) -> int:
+    """A token of ``ids``' free-running greedy reply that first appears at its n-th token."""
+    tokens = run(engine(path, burst=1), {"f": (ids, SamplingParams(max_tokens=20, **GREEDY))})
+    reply = tokens["f"].tokens
+    return next(reply[i] for i in range(n, 20) if reply[i] not in reply[:i])
+
+
+def test_a_request_that_stops_leaves_the_burst_at_once_and_the_others_go_on(
+    checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nobody waits: a request whose token is one of its stop tokens gets no forward
+    after it, the others burst on; replies equal one-token steps' and transformers'."""
+    hf, path = checkpoints(ARCH)
+    ids = {f"r{i}": prompt(130 + i, 12) for i in range(3)}
+    stop = stop_after(path, ids["r1"], 6)  # inside the second burst: 12 + 4 tokens, then 16
+    requests = {
+        name: (
+            p,
+            SamplingParams(
+                max_tokens=16, **GREEDY, **({"stop_token_ids": [stop]} if name == "r1" else {})
+            ),
+        )
+        for name, p in ids.items()
+    }
+    bursting = engine(path, burst=16, decode_burst_budget_ms=None)
+    rounds = burst_rounds(bursting, monkeypatch)
+    replies = run(bursting, requests)
+    assert replies == run(engine(path, burst=1), requests)
+    r1 = replies["r1"]
+    assert r1.finish_reason == "stop" and r1.stop_reason == stop and len(r1.tokens) < 16
+    for name in ("r0", "r2"):
+        assert replies[name].tokens == hf_greedy(hf, ids[name], 16)[0]
+    # the round r1 stopped in: its forwards end at its stop, the others' run as planned
+    cut = [r for r in rounds if r.ran != r.planned]
+    assert len(cut) == 1 and cut[0].names == ["r0", "r1", "r2"]
+    assert cut[0].ran[1] < cut[0].planned[1]
+    assert cut[0].ran[0] == cut[0].planned[0] and cut[0].ran[2] == cut[0].planned[2]
+
+
+def test_a_stop_ends_the_burst_for_all_while_requests_wait_for_a_seat(
+    checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every seat taken and a request waiting: a stop inside a burst ends the round at
+    that forward for every request (the freed seat is taken at the next round); the cut
+    ones keep their tokens and go on, and every reply equals one-token steps' and
+    transformers'."""
+    hf, path = checkpoints(ARCH)
+    ids = {f"r{i}": prompt(140 + i, 12) for i in range(3)}
+    stop = stop_after(path, ids["r0"], 6)
+    requests = {
+        name: (
+            p,
+            SamplingParams(
+                max_tokens=16, **GREEDY, **({"stop_token_ids": [stop]} if name == "r0" else {})
+            ),
+        )
+        for name, p in ids.items()
+    }
+    replies = {}
+    for burst in (16, 1):
+        llm = engine(path, burst=burst, max_num_seqs=2, decode_burst_budget_ms=None)
+        rounds = burst_rounds(llm, monkeypatch)
+        replies[burst] = run(llm, requests)
+        if burst > 1:  # r0 and r1 burst while r2 waits: r0's stop ends the round for both
+            cut = [r for r in rounds if r.ran != r.planned]
+            assert len(cut) == 1 and cut[0].names == ["r0", "r1"]
+            assert cut[0].ran[0] == cut[0].ran[1] < min(cut[0].planned)
+    assert replies[16] == replies[1]
+    assert replies[16]["r0"].finish_reason == "stop" and replies[16]["r0"].stop_reason == stop
+    for name in ("r1", "r2"):
+        assert replies[16][name].tokens == hf_greedy(hf, ids[name], 16)[0]
+
+
+def test_without_a_budget_a_burst_is_decode_burst_long() -> None:
+    """``decode_burst_budget_ms=None`` (LLM's default): every burst ``decode_burst``
+    forwards long, known forward time or not."""
+    assert burst_length(16, None, None) == 16
+    assert burst_length(16, 10.0, None) == 16
+    assert burst_length(16, BURST_BUDGET_S / 3, BURST_BUDGET_S) == 3
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "25", True])
+def test_the_burst_budget_must_be_positive_or_none(tmp_path: Path, bad: Any) -> None:
+    with pytest.raises(ValueError, match="decode_burst_budget_ms must be positive or None"):
+        EngineConfig(model=str(tmp_path), decode_burst_budget_ms=bad)
+
+
+def test_the_offline_llm_bursts_without_a_budget_and_batches_4096_tokens(
+    checkpoints: Any,
+) -> None:
+    """LLM's defaults (vLLM's CPU LLM class: 4096 tokens a step; nobody streams: no burst
+    budget); given options win; the server's engine keeps the 25 ms budget and 2048."""
+    _, path = checkpoints(ARCH)
+    llm = LLM(str(path), **OPTIONS)
+    assert llm.engine.config.decode_burst_budget_ms is None
+    assert llm.engine.scheduler.max_num_batched_tokens == 4096
+    given = LLM(str(path), decode_burst_budget_ms=10, max_num_batched_tokens=512, **OPTIONS)
+    assert given.engine.config.decode_burst_budget_ms == 10
+    assert given.engine.scheduler.max_num_batched_tokens == 512
+    assert EngineConfig(model=str(path)).decode_burst_budget_ms == 25.0
+
+
 def test_decode_burst_must_be_a_positive_integer(tmp_path: Path) -> None:
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="decode_burst must be a positive integer"):
@@ -187,8 +317,10 @@ def test_a_forward_without_a_token_fails_its_request_after_the_tokens_before_it(
 
     before: list[int] = []  # a's tokens before the burst that fails
 
-    def third_forward_of_a_has_no_token(chunks: Any, manager: Any) -> BurstTokens:
-        out = real(chunks, manager)
+    def third_forward_of_a_has_no_token(
+        chunks: Any, manager: Any, *rest: Any, **options: Any
+    ) -> BurstTokens:
+        out = real(chunks, manager, *rest, **options)
         for i, chunk in enumerate(chunks):
             if chunk.seq.request_id == "a" and chunk.num_burst_tokens >= 2 and not before:
                 before.append(chunk.seq.num_outputs)
