@@ -32,6 +32,11 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # server (engine/arg_utils.py); offline, nobody waits for a first token, so a step may
 # prefill twice as much (64 prompts of 48 tokens in one step, not two)
 OFFLINE_MAX_NUM_BATCHED_TOKENS = 4096
+# the offline API's decode bursts (hybridkv.engine.decode_burst): a block's worth, with no
+# time budget (nobody streams): the tiny model's 64 x 32 equal replies in 2 decode rounds,
+# not 4. The server keeps 8 within 25 ms: longer bursts there lowered caching off's
+# time to first token more than caching on's (tests' chat workload, engine_multiturn.py)
+OFFLINE_DECODE_BURST = 16
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "half": "float16"}  # vLLM's --dtype accepts these too
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -164,7 +169,7 @@ class EngineConfig:
         decode_burst_budget_ms: how long a decode burst may take (a burst's tokens reach a
             streaming client together, and a request arriving during it waits for its
             end); None: no bound, ``decode_burst`` forwards whatever they take (``LLM``'s
-            default: offline, nobody streams).
+            default, with ``decode_burst`` 16: offline, nobody streams).
         speculative_config: speculative decoding, vLLM's dict (``{"method": "ngram",
             "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model": DIR,
             ...}``, see :class:`SpeculativeConfig`); None: off.
@@ -200,7 +205,7 @@ class EngineConfig:
     retention_interval: int | None = None
     seed: int = 0
     poison_cache: bool = field(default=False, metadata={"cli": False})
-    decode_burst: int = field(default=16, metadata={"aliases": ("--num-scheduler-steps",)})
+    decode_burst: int = field(default=8, metadata={"aliases": ("--num-scheduler-steps",)})
     decode_burst_budget_ms: float | None = 25.0
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata={"metavar": "JSON", "parse": json_object_arg}

@@ -11,12 +11,12 @@ scheduling, ``num_scheduler_steps``, did this for the same reason).
 
 How long (:func:`burst_length`): as many forwards as fit in the engine's
 ``decode_burst_budget_ms`` (25 ms) at the recent decode rounds' time per forward
-(:class:`ForwardTimes`), at most ``decode_burst`` (16): the tiny model's 64-row forward
-(~2.5 ms) bursts 10 times, a forward of 40 ms not at all (there the round's Python is a
+(:class:`ForwardTimes`), at most ``decode_burst`` (8): the tiny model's 64-row forward
+(~2.5 ms) bursts 8 times, a forward of 40 ms not at all (there the round's Python is a
 small part, and the burst would hold a streaming client's tokens back). The offline
-``LLM`` sets no budget: nobody streams, and a request another thread adds waits for the
-step lock anyway; its bursts are ``decode_burst`` long (the tiny model's 64 x 32 equal
-replies in 2 decode rounds, not 4: ~10% less time).
+``LLM`` sets no budget and bursts of 16 (a block): nobody streams, and a request another
+thread adds waits for the step lock anyway (the tiny model's 64 x 32 equal replies in 2
+decode rounds, not 4: 5-10% less time).
 
 When (:func:`plan_burst`): every running sequence decodes, is plain greedy (its token is
 its raw argmax: no processors, penalties, grammar or logprobs, the sampler's

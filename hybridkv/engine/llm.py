@@ -22,7 +22,11 @@ from typing import Any
 
 from rich.progress import Progress
 
-from hybridkv.engine.config import OFFLINE_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from hybridkv.engine.config import (
+    OFFLINE_DECODE_BURST,
+    OFFLINE_MAX_NUM_BATCHED_TOKENS,
+    EngineConfig,
+)
 from hybridkv.engine.inputs import PromptType
 from hybridkv.engine.llm_engine import LLMEngine
 from hybridkv.engine.outputs import RequestOutput
@@ -44,8 +48,8 @@ class LLM:
 
     Keyword options are :class:`EngineConfig`'s fields, under vLLM's names where vLLM has
     one (max_model_len, max_num_seqs, max_num_batched_tokens (here 4096 unless given, as
-    vLLM's CPU default for its LLM class; and no decode_burst_budget_ms unless given:
-    nobody streams), gpu_memory_utilization,
+    vLLM's CPU default for its LLM class; decode_burst 16 and no decode_burst_budget_ms
+    unless given: nobody streams), gpu_memory_utilization,
     cache_memory_gib, block_size, enable_prefix_caching, dtype, kv_cache_dtype,
     generation_config, chat_template, tokenizer, trust_remote_code, seed, ...). Start-up
     logs the capacity report (logger ``hybridkv.engine``); :meth:`stats` holds it too.
@@ -64,7 +68,9 @@ class LLM:
                 f"{sorted(known - {'model'})}"
             )
         options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
-        options.setdefault("decode_burst_budget_ms", None)  # nobody streams (decode_burst)
+        # nobody streams: bursts as long as a block, whatever they take (decode_burst)
+        options.setdefault("decode_burst", OFFLINE_DECODE_BURST)
+        options.setdefault("decode_burst_budget_ms", None)
         self.engine = LLMEngine(EngineConfig(model=str(model), **options))
         self._ids = itertools.count()
         self._step_lock = threading.Lock()  # one thread steps the engine at a time

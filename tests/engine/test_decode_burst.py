@@ -1,5 +1,5 @@
 """Decode bursts (hybridkv.engine.decode_burst) change how many rounds a reply takes, never
-the reply: with bursts (the default, ``decode_burst=16``) every reply equals the engine's
+the reply: with bursts (the default, ``decode_burst=8``) every reply equals the engine's
 one-token steps (``decode_burst=1``) and transformers' greedy tokens, caching on and off,
 on a poisoned cache (a read of memory nobody wrote shows as NaN logits).
 
@@ -287,16 +287,18 @@ def test_the_burst_budget_must_be_positive_or_none(tmp_path: Path, bad: Any) -> 
 def test_the_offline_llm_bursts_without_a_budget_and_batches_4096_tokens(
     checkpoints: Any,
 ) -> None:
-    """LLM's defaults (vLLM's CPU LLM class: 4096 tokens a step; nobody streams: no burst
-    budget); given options win; the server's engine keeps the 25 ms budget and 2048."""
+    """LLM's defaults (vLLM's CPU LLM class: 4096 tokens a step; nobody streams: bursts of
+    16, no budget); given options win; the server's engine keeps 8 within 25 ms, 2048."""
     _, path = checkpoints(ARCH)
     llm = LLM(str(path), **OPTIONS)
     assert llm.engine.config.decode_burst_budget_ms is None
+    assert llm.engine.config.decode_burst == 16
     assert llm.engine.scheduler.max_num_batched_tokens == 4096
     given = LLM(str(path), decode_burst_budget_ms=10, max_num_batched_tokens=512, **OPTIONS)
     assert given.engine.config.decode_burst_budget_ms == 10
     assert given.engine.scheduler.max_num_batched_tokens == 512
     assert EngineConfig(model=str(path)).decode_burst_budget_ms == 25.0
+    assert EngineConfig(model=str(path)).decode_burst == 8
 
 
 def test_decode_burst_must_be_a_positive_integer(tmp_path: Path) -> None:
