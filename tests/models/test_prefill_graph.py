@@ -156,6 +156,21 @@ def test_an_engine_prefills_through_the_graph(tmp_path: Path, get_tiny: Any) -> 
     assert graph.step.num_calls > 0
 
 
+def poisoned_engine(path: Path, caching: bool) -> tuple[LLMEngine, PrefillGraph]:
+    """An engine of the checkpoint at ``path`` on a poisoned arena, and its prefill graph."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(path),
+            cache_memory_gib=0.02,
+            enable_prefix_caching=caching,
+            poison_cache=True,
+        )
+    )
+    graph = engine.runner.prefill_graph
+    assert graph is not None
+    return engine, graph
+
+
 def test_a_snapshot_at_a_chunks_end_is_its_live_state_copied(
     tmp_path: Path, get_tiny: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -171,16 +186,7 @@ def test_a_snapshot_at_a_chunks_end_is_its_live_state_copied(
     follow_up_tail = prompt(54, 20)
     replies, cached = [], []
     for caching in (True, False):
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(path),
-                cache_memory_gib=0.02,
-                enable_prefix_caching=caching,
-                poison_cache=True,
-            )
-        )
-        graph = engine.runner.prefill_graph
-        assert graph is not None
+        engine, graph = poisoned_engine(path, caching)
         captured: list[list[int]] = []  # the rows of the graph's captures, each call
 
         def run(
@@ -340,16 +346,7 @@ def test_a_steps_prefills_in_groups_equal_one_call(
     prompts["r3"] = prompt(83, 48)  # its end snapshot (48) a copy after its group's call
     replies: dict[bool, dict[str, list[int]]] = {}
     for caching in (True, False):
-        engine = LLMEngine(
-            EngineConfig(
-                model=str(path),
-                cache_memory_gib=0.02,
-                enable_prefix_caching=caching,
-                poison_cache=True,
-            )
-        )
-        graph = engine.runner.prefill_graph
-        assert graph is not None
+        engine, graph = poisoned_engine(path, caching)
         calls: list[tuple[int, int]] = []  # (requests, width) of each call
 
         def run(*args: Any, graph: PrefillGraph = graph, calls: list = calls) -> Any:
