@@ -110,12 +110,13 @@ class LLM:
         else:
             params = [sampling_params or self.get_default_sampling_params()] * len(batch)
         params = _final_only(params)
-        for prompt, p in zip(batch, params, strict=True):  # check all before queueing any
-            self.engine.validate_request(prompt, p)
+        checked = [  # check all before queueing any; each prompt is tokenized once
+            self.engine.validate_request(prompt, p) for prompt, p in zip(batch, params, strict=True)
+        ]
         with self._step_lock:
             ids = [f"{next(self._ids)}" for _ in batch]
-        for request_id, prompt, p in zip(ids, batch, params, strict=True):
-            self.engine.add_request(request_id, prompt, p)
+        for request_id, (text, prompt_ids), p in zip(ids, checked, params, strict=True):
+            self.engine.queue_validated(request_id, text, prompt_ids, p)
         return self._run(ids, use_tqdm)
 
     def chat(

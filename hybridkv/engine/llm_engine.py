@@ -268,6 +268,24 @@ class LLMEngine:
         """
         params = params if params is not None else SamplingParams()
         text, ids = self.inputs.validate(prompt, params)
+        self.queue_validated(request_id, text, ids, params, arrival_time=arrival_time)
+
+    def queue_validated(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+    ) -> None:
+        """:meth:`add_request` for a prompt :meth:`validate_request` accepted with
+        ``params``: (``text``, ``ids``) is what it returned. A batch API that checks every
+        request before queueing any (``LLM``) so tokenizes each prompt once, not twice.
+
+        Raises:
+            ValueError: a duplicate id.
+        """
         bad_words = self.inputs.bad_words_ids(params)
         matchers = self.inputs.grammar_matchers(params)
         now = time.monotonic() if arrival_time is None else arrival_time

@@ -202,3 +202,27 @@ def test_generate_asks_for_final_outputs_and_leaves_the_callers_params(llm: LLM)
         SamplingParams(output_kind=RequestOutputKind.DELTA)
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind=2)  # type: ignore[arg-type]
+
+
+def test_generate_tokenizes_each_text_prompt_once(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``generate`` checks every prompt before queueing any, then queues what the check
+    returned: a text prompt is tokenized once (it was twice: the check, then
+    ``add_request``'s own), and its output still carries the text and the same ids."""
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is not None
+    encoded: list[str] = []
+    real = tokenizer.encode
+
+    def counted(text: str, *args: Any, **kwargs: Any) -> Any:
+        encoded.append(text)
+        return real(text, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    texts = ["one prompt", "another prompt"]
+    outs = llm.generate(texts, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)
+    assert sorted(encoded) == sorted(texts)
+    assert [o.prompt for o in outs] == texts
+    assert [o.prompt_token_ids for o in outs] == [real(t) for t in texts]
+    assert_idle(llm.engine)
