@@ -85,6 +85,11 @@ def max_model_len_arg(text: str) -> int | None:
     return human_readable_int(text)
 
 
+def optional_float_arg(text: str) -> float | None:
+    """A flag's number, or ``none`` for no bound (``--decode-burst-budget-ms none``)."""
+    return None if text.strip().lower() == "none" else float(text)
+
+
 def json_object_arg(text: str) -> dict[str, Any]:
     """A flag's JSON object (``--speculative-config``); ValueError otherwise."""
     value = json.loads(text)  # JSONDecodeError is a ValueError
@@ -168,8 +173,9 @@ class EngineConfig:
             stop inside a burst ends its request there. 1: off.
         decode_burst_budget_ms: how long a decode burst may take (a burst's tokens reach a
             streaming client together, and a request arriving during it waits for its
-            end); None: no bound, ``decode_burst`` forwards whatever they take (``LLM``'s
-            default, with ``decode_burst`` 16: offline, nobody streams).
+            end); None (``none`` on the command line): no bound, ``decode_burst`` forwards
+            whatever they take (``LLM``'s default, with ``decode_burst`` 16: offline,
+            nobody streams).
         speculative_config: speculative decoding, vLLM's dict (``{"method": "ngram",
             "num_speculative_tokens": 4}`` or ``{"method": "draft_model", "model": DIR,
             ...}``, see :class:`SpeculativeConfig`); None: off.
@@ -206,7 +212,9 @@ class EngineConfig:
     seed: int = 0
     poison_cache: bool = field(default=False, metadata={"cli": False})
     decode_burst: int = field(default=8, metadata={"aliases": ("--num-scheduler-steps",)})
-    decode_burst_budget_ms: float | None = 25.0
+    decode_burst_budget_ms: float | None = field(
+        default=25.0, metadata={"parse": optional_float_arg, "metavar": "MS"}
+    )
     speculative_config: Mapping[str, Any] | SpeculativeConfig | None = field(
         default=None, metadata={"metavar": "JSON", "parse": json_object_arg}
     )

@@ -59,6 +59,8 @@ ENGINE_FLAGS: list[tuple[list[str], str, Any]] = [
     (["--eviction", "cost"], "eviction", "cost"),
     (["--checkpoint-interval", "64"], "checkpoint_interval", 64),
     (["--enforce-eager"], "enforce_eager", True),
+    (["--decode-burst-budget-ms", "10"], "decode_burst_budget_ms", 10.0),
+    (["--decode-burst-budget-ms", "none"], "decode_burst_budget_ms", None),
 ]
 SERVER_FLAGS: list[tuple[list[str], str, Any]] = [
     (["--uvicorn-log-level", "debug"], "uvicorn_log_level", "debug"),
@@ -162,6 +164,8 @@ def test_unknown_vllm_flag_is_one_line_naming_it(
         (["--override-generation-config", "[1]"], "must be a JSON object"),
         (["--kv-cache-dtype", "int4"], "invalid choice"),
         (["--no-enable-prefix-caching", "--mamba-cache-mode", "align"], "needs"),
+        (["--decode-burst-budget-ms", "0"], "--decode-burst-budget-ms must be positive"),
+        (["--decode-burst-budget-ms", "soon"], "--decode-burst-budget-ms"),
     ],
     ids=lambda x: str(x),
 )
