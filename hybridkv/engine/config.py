@@ -228,9 +228,13 @@ class EngineConfig:
         self._check_memory()
         budget = self.decode_burst_budget_ms
         if budget is not None and (
-            isinstance(budget, bool) or not isinstance(budget, int | float) or not budget > 0
+            isinstance(budget, bool)
+            or not isinstance(budget, int | float)
+            or not 0 < budget < math.inf
         ):
-            raise ValueError(f"decode_burst_budget_ms must be positive or None, got {budget!r}")
+            raise ValueError(
+                f"decode_burst_budget_ms must be positive and finite, or None, got {budget!r}"
+            )
         for name, allowed in (
             ("dtype", DTYPES),
             ("kv_cache_dtype", KV_CACHE_DTYPES),

@@ -67,7 +67,8 @@ class LLM:
                 f"LLM() got unknown option(s) {unknown}; the options are EngineConfig's: "
                 f"{sorted(known - {'model'})}"
             )
-        options.setdefault("max_num_batched_tokens", OFFLINE_MAX_NUM_BATCHED_TOKENS)
+        if options.get("max_num_batched_tokens") is None:  # None: this API's default, as vLLM
+            options["max_num_batched_tokens"] = OFFLINE_MAX_NUM_BATCHED_TOKENS
         # nobody streams: bursts as long as a block, whatever they take (decode_burst)
         options.setdefault("decode_burst", OFFLINE_DECODE_BURST)
         options.setdefault("decode_burst_budget_ms", None)

@@ -405,6 +405,7 @@ class LLMEngine:
                     self.speculator.fill(sched.chunks)
                 failed_after: set[int] = set()
                 forwards = 1 + max(c.num_burst_tokens for c in sched.chunks)
+                as_planned = True  # a burst cut by a stop times fewer rows a forward
                 if forwards > 1:
                     burst = self.runner.execute_burst(
                         sched.chunks,
@@ -413,6 +414,7 @@ class LLMEngine:
                         end_at_first_stop=bool(self.scheduler.waiting),
                     )
                     sampled, failed_after = burst.sampled(sched.chunks)
+                    as_planned = burst.widths == [1 + c.num_burst_tokens for c in sched.chunks]
                     forwards = burst.forwards
                     self.num_burst_forwards += forwards - 1
                 else:
@@ -421,7 +423,7 @@ class LLMEngine:
                     )
                     self._record_prompt_logprobs(sched.chunks, logits, touched)
                     sampled = self._sample(sched.chunks, logits.last)
-                if all(c.known_end - c.start == 1 for c in sched.chunks):  # decodes alone
+                if as_planned and all(c.known_end - c.start == 1 for c in sched.chunks):
                     self._forward_times.add((time.perf_counter() - started) / forwards)
                 if self.speculator is not None:  # what verification costs, measured
                     self.speculator.observe_step(sched.chunks, time.perf_counter() - started)

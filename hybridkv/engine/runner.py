@@ -309,17 +309,16 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk], manager: CacheManager
     ) -> Tensor | None:
         """[chunks, vocab] logits of short prefill chunks from the prefill graph, in groups
-        of requests whose intermediates fit in the L2 (``PrefillGraph.group_size``), their
+        of requests whose intermediates fit in the L2 (:func:`prefill_graph_calls`), their
         end snapshots copied after it; None (nothing run) where a group's attention scores
         would be too many."""
         graph = self.prefill_graph
         assert graph is not None
-        size = prefill_group_size(
-            self._layer_heads, max(c.num_tokens for c in chunks), max(c.end for c in chunks)
-        )
+        block = graph.block_tokens or 1
+        sizes = [(c.num_tokens, -(-c.end // block) * block) for c in chunks]
         calls: list[tuple[ForwardBatch, int]] = []
-        for at in range(0, len(chunks), size):
-            batch = self.build_batch(chunks[at : at + size], manager, final_states_copied=True)
+        for group in prefill_graph_calls(sizes, self._layer_heads):
+            batch = self.build_batch([chunks[i] for i in group], manager, final_states_copied=True)
             width = graph.width(batch)
             if width is None:
                 return None
@@ -360,11 +359,22 @@ class ModelRunner:
 PREFILL_GROUP_BYTES = 1 << 19
 
 
-def prefill_group_size(heads: int, tokens: int, keys: int) -> int:
-    """Requests one call of the prefill graph runs at most (:data:`PREFILL_GROUP_BYTES`),
-    for chunks of up to ``tokens`` tokens over up to ``keys`` keys, ``heads`` the most of
-    a layer (:func:`layer_heads`)."""
-    return max(1, PREFILL_GROUP_BYTES // (4 * max(1, heads) * tokens * max(tokens, keys)))
+def prefill_graph_calls(sizes: list[tuple[int, int]], heads: int) -> list[range]:
+    """The calls of the prefill graph for chunks of ``sizes`` (tokens, keys: its table's
+    slots) in order: consecutive groups whose intermediates, requests x ``heads`` (the
+    most of a layer, :func:`layer_heads`) x the group's longest chunk x max(that, its most
+    keys) x 4 bytes, stay within :data:`PREFILL_GROUP_BYTES` (a chunk alone may pass it).
+    Each chunk counts at its own size: one long chunk does not shrink the others' groups."""
+    groups: list[range] = []
+    start = width = keys = 0
+    for i, (tokens, chunk_keys) in enumerate(sizes):
+        w, k = max(width, tokens), max(keys, chunk_keys)
+        if i > start and 4 * max(1, heads) * (i + 1 - start) * w * max(w, k) > PREFILL_GROUP_BYTES:
+            groups.append(range(start, i))
+            start, w, k = i, tokens, chunk_keys
+        width, keys = w, k
+    groups.append(range(start, len(sizes)))
+    return groups
 
 
 def layer_heads(model: nn.Module) -> int:

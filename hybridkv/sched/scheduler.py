@@ -38,9 +38,11 @@ it; if the pages do not fit it runs a plain decode instead. A burst ends before 
 snapshot position past its first token (``CacheManager.burst_end``: a stop short of it
 would lose the request's parked snapshot with it). A round holding a burst
 admits nobody: every chunk of it is a decode, the shape the burst's forwards run, and a
-waiting sequence (only a preempted one: the engine bursts only with nobody waiting) joins
-a round later. The step keeps every sampled token up to a stop; a burst is only ever cut
-short by its sequence finishing, so the state past the kept tokens is never used.
+waiting sequence (the engine bursts with nobody waiting who could be admitted: every seat
+taken, or none waiting) joins a round later. The step keeps every sampled token up to a
+stop. A burst is cut short by its sequence's stop token, or by another's while requests
+wait for a seat (the engine's runner ends the round there); the sequence then keeps the
+tokens it has, and the state and snapshots past them are never used.
 
 Admission allocates the sequence's live state page up front, so a sequence is only ever
 admitted when its state fits, and running sequences make progress or are preempted: the
@@ -271,7 +273,8 @@ class Scheduler:
         After a speculative chunk those are the drafts it kept, then the token that
         followed them; the cache keeps the tokens up to the last of them, and the state
         after exactly that many (the manager rolls the rest back). After a burst, the
-        tokens it kept (all of them unless the sequence stopped).
+        tokens it kept: all of them, or those up to a stop, or those before the forward at
+        which another sequence's stop ended the round.
         """
         seq = chunk.seq
         new = seq.all_token_ids[chunk.known_end :] if chunk.samples else []

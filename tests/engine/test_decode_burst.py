@@ -8,10 +8,12 @@ Bursts run through the decode graph, so these tests skip where packages are off.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
+import torch
 from engine_checkpoints import ARCH, OPTIONS
 from hybrid_checks import prompt
 from tiny import hf_greedy
@@ -22,6 +24,7 @@ from hybridkv.engine.decode_burst import (
     BURST_BUDGET_S,
     BurstTokens,
     ForwardTimes,
+    _stop_at,
     burst_length,
     plan_burst,
 )
@@ -223,6 +226,11 @@ def test_a_request_that_stops_leaves_the_burst_at_once_and_the_others_go_on(
     }
     bursting = engine(path, burst=16, decode_burst_budget_ms=None)
     rounds = burst_rounds(bursting, monkeypatch)
+    timed: list[int] = []  # the burst rounds run before each time per forward is noted
+    real_add = bursting._forward_times.add
+    monkeypatch.setattr(
+        bursting._forward_times, "add", lambda s: (timed.append(len(rounds)), real_add(s))
+    )
     replies = run(bursting, requests)
     assert replies == run(engine(path, burst=1), requests)
     r1 = replies["r1"]
@@ -230,10 +238,12 @@ def test_a_request_that_stops_leaves_the_burst_at_once_and_the_others_go_on(
     for name in ("r0", "r2"):
         assert replies[name].tokens == hf_greedy(hf, ids[name], 16)[0]
     # the round r1 stopped in: its forwards end at its stop, the others' run as planned
-    cut = [r for r in rounds if r.ran != r.planned]
-    assert len(cut) == 1 and cut[0].names == ["r0", "r1", "r2"]
-    assert cut[0].ran[1] < cut[0].planned[1]
-    assert cut[0].ran[0] == cut[0].planned[0] and cut[0].ran[2] == cut[0].planned[2]
+    cut = [i for i, r in enumerate(rounds) if r.ran != r.planned]
+    assert len(cut) == 1 and rounds[cut[0]].names == ["r0", "r1", "r2"]
+    ran, planned = rounds[cut[0]].ran, rounds[cut[0]].planned
+    assert ran[1] < planned[1] and ran[0] == planned[0] and ran[2] == planned[2]
+    # its time per forward (fewer rows after the stop) is not taken as a full round's
+    assert timed and cut[0] + 1 not in timed  # (the first round was timed, not the cut)
 
 
 def test_a_stop_ends_the_burst_for_all_while_requests_wait_for_a_seat(
@@ -270,6 +280,20 @@ def test_a_stop_ends_the_burst_for_all_while_requests_wait_for_a_seat(
         assert replies[16][name].tokens == hf_greedy(hf, ids[name], 16)[0]
 
 
+def test_a_stop_cuts_only_the_row_whose_own_stop_it_is() -> None:
+    """After forward 2 of a burst whose batch holds chunks 0, 2 and 3 (1 left earlier):
+    chunk 2's token is its stop, chunk 3's token is chunk 2's stop id but not its own."""
+    widths = [5, 2, 5, 5]
+    stops: list[Collection[int]] = [{7}, set(), {9}, {7}]
+    chosen = torch.tensor([1, 9, 9])  # the rows of chunks 0, 2, 3
+    _stop_at(2, chosen, torch.tensor([7, 9]), [0, 2, 3], stops, widths, False)
+    assert widths == [5, 2, 3, 5]
+    _stop_at(3, torch.tensor([7, 4]), torch.tensor([7, 9]), [0, 3], stops, widths, True)
+    assert widths == [4, 2, 3, 4]  # chunk 0 stopped: the burst ends for all
+    _stop_at(0, torch.tensor([4, 4]), torch.tensor([7, 9]), [0, 3], stops, widths, True)
+    assert widths == [4, 2, 3, 4]  # no hit: nothing changes
+
+
 def test_without_a_budget_a_burst_is_decode_burst_long() -> None:
     """``decode_burst_budget_ms=None`` (LLM's default): every burst ``decode_burst``
     forwards long, known forward time or not."""
@@ -278,9 +302,9 @@ def test_without_a_budget_a_burst_is_decode_burst_long() -> None:
     assert burst_length(16, BURST_BUDGET_S / 3, BURST_BUDGET_S) == 3
 
 
-@pytest.mark.parametrize("bad", [0, -1.0, "25", True])
+@pytest.mark.parametrize("bad", [0, -1.0, "25", True, float("inf"), float("nan")])
 def test_the_burst_budget_must_be_positive_or_none(tmp_path: Path, bad: Any) -> None:
-    with pytest.raises(ValueError, match="decode_burst_budget_ms must be positive or None"):
+    with pytest.raises(ValueError, match="decode_burst_budget_ms must be positive and finite"):
         EngineConfig(model=str(tmp_path), decode_burst_budget_ms=bad)
 
 
@@ -294,6 +318,8 @@ def test_the_offline_llm_bursts_without_a_budget_and_batches_4096_tokens(
     assert llm.engine.config.decode_burst_budget_ms is None
     assert llm.engine.config.decode_burst == 16
     assert llm.engine.scheduler.max_num_batched_tokens == 4096
+    none = LLM(str(path), max_num_batched_tokens=None, **OPTIONS)  # None: this API's default
+    assert none.engine.scheduler.max_num_batched_tokens == 4096
     given = LLM(str(path), decode_burst_budget_ms=10, max_num_batched_tokens=512, **OPTIONS)
     assert given.engine.config.decode_burst_budget_ms == 10
     assert given.engine.scheduler.max_num_batched_tokens == 512

@@ -19,7 +19,7 @@ from tiny import hf_greedy, make_hf_model, save_checkpoint
 
 from hybridkv.engine import EngineConfig, LLMEngine
 from hybridkv.engine import runner as runner_module
-from hybridkv.engine.runner import layer_heads, prefill_group_size
+from hybridkv.engine.runner import layer_heads, prefill_graph_calls
 from hybridkv.models import prefill_graph
 from hybridkv.models.loader import load_model
 from hybridkv.models.prefill_graph import (
@@ -313,14 +313,20 @@ def test_steps_past_the_score_budget_run_eagerly(
 
 
 def test_prefill_chunks_run_in_groups_that_fit_the_l2() -> None:
-    """A request's intermediates (4 x tokens x max(tokens, keys) fp32 per head) size the
-    groups: the tiny model's 48-token prompts 14 to a call, 128-token chunks 2, a chunk
-    over many keys alone."""
-    assert prefill_group_size(4, 48, 48) == runner_module.PREFILL_GROUP_BYTES // (4 * 4 * 48 * 48)
-    assert prefill_group_size(4, 48, 48) == 14
-    assert prefill_group_size(4, 128, 128) == 2
-    assert prefill_group_size(4, 48, 480) == 1
-    assert prefill_group_size(32, 128, 4096) == 1  # never fewer than one
+    """A group's intermediates (4 x requests x heads x its longest chunk x max(that, its
+    most keys) bytes) stay within the budget: the tiny model's 48-token prompts 14 to a
+    call; a long chunk over many keys runs alone without shrinking the others' groups; a
+    chunk over the budget alone still runs."""
+    per_request = 4 * 4 * 48 * 48
+    assert runner_module.PREFILL_GROUP_BYTES // per_request == 14
+    assert [len(g) for g in prefill_graph_calls([(48, 48)] * 64, 4)] == [14, 14, 14, 14, 8]
+    sizes = [(48, 48)] * 20 + [(128, 4096)] + [(48, 48)] * 20
+    groups = prefill_graph_calls(sizes, 4)
+    assert [len(g) for g in groups] == [14, 6, 1, 14, 6]
+    assert groups[2] == range(20, 21)  # the long one alone, in its place
+    assert [i for g in groups for i in g] == list(range(41))  # every chunk once, in order
+    assert prefill_graph_calls([(128, 8192)] * 2, 32) == [range(0, 1), range(1, 2)]
+    assert prefill_graph_calls([(5, 16)], 4) == [range(0, 1)]
 
 
 def test_the_most_heads_of_a_layer(tmp_path: Path, get_tiny: Any) -> None:
@@ -331,13 +337,25 @@ def test_the_most_heads_of_a_layer(tmp_path: Path, get_tiny: Any) -> None:
     assert layer_heads(load_model(save_checkpoint(wide, tmp_path), "float32").model) == 8
 
 
+def in_twos(sizes: list[tuple[int, int]], heads: int) -> list[range]:
+    return [range(i, min(i + 2, len(sizes))) for i in range(0, len(sizes), 2)]
+
+
+def in_one(sizes: list[tuple[int, int]], heads: int) -> list[range]:
+    return [range(len(sizes))]
+
+
+def in_ones(sizes: list[tuple[int, int]], heads: int) -> list[range]:
+    return [range(i, i + 1) for i in range(len(sizes))]
+
+
 def test_a_steps_prefills_in_groups_equal_one_call(
     tmp_path: Path, get_tiny: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Seven prompts of unequal lengths prefilled in one step run the graph in groups of
-    two (each its own width) on a poisoned arena, caching on (snapshots inside and at the
-    ends); their replies equal those of one call (caching off) and transformers', and a
-    follow-up turn resumes from the end snapshot of a prompt in the second group."""
+    """Seven prompts of unequal lengths prefilled in one step, caching on (snapshots inside
+    and at the ends), on a poisoned arena: run in groups of two (each its own width) and in
+    one call, their replies are the same and transformers'; a follow-up turn resumes from
+    the end snapshot of a prompt in the second group."""
     if not ahead_of_time.available() or not compile_enabled():
         pytest.skip("packages are off here")
     hf, _ = get_tiny("qwen3_5_text")
@@ -345,8 +363,8 @@ def test_a_steps_prefills_in_groups_equal_one_call(
     prompts = {f"r{i}": prompt(80 + i, 17 + 7 * i) for i in range(7)}  # 17 .. 59 tokens
     prompts["r3"] = prompt(83, 48)  # its end snapshot (48) a copy after its group's call
     replies: dict[bool, dict[str, list[int]]] = {}
-    for caching in (True, False):
-        engine, graph = poisoned_engine(path, caching)
+    for grouped in (True, False):
+        engine, graph = poisoned_engine(path, caching=True)
         calls: list[tuple[int, int]] = []  # (requests, width) of each call
 
         def run(*args: Any, graph: PrefillGraph = graph, calls: list = calls) -> Any:
@@ -354,17 +372,15 @@ def test_a_steps_prefills_in_groups_equal_one_call(
             return PrefillGraph.run(graph, *args)
 
         monkeypatch.setattr(graph, "run", run)
-        monkeypatch.setattr(
-            runner_module, "prefill_group_size", (lambda *_: 2) if caching else (lambda *_: 99)
-        )
+        monkeypatch.setattr(runner_module, "prefill_graph_calls", in_twos if grouped else in_one)
         for request_id, ids in prompts.items():
             engine.add_request(request_id, ids, SamplingParams(max_tokens=5, temperature=0))
-        replies[caching] = {}
+        replies[grouped] = {}
         while engine.has_unfinished_requests():
             for out in engine.step():
                 if out.finished:
-                    replies[caching][out.request_id] = list(out.outputs[0].token_ids)
-        if caching:  # the groups' widths: their longest prompts'
+                    replies[grouped][out.request_id] = list(out.outputs[0].token_ids)
+        if grouped:  # the groups' widths: their longest prompts'
             assert calls == [(2, 24), (2, 48), (2, 52), (1, 59)]
             follow_up = prompts["r3"] + replies[True]["r3"] + prompt(90, 9)
             reply, hit = generate(engine, "t2", follow_up, 5)
@@ -375,3 +391,32 @@ def test_a_steps_prefills_in_groups_equal_one_call(
     assert replies[True] == replies[False]
     for request_id, ids in prompts.items():
         assert replies[True][request_id] == hf_greedy(hf, ids, 5)[0], request_id
+
+
+def test_a_group_past_the_score_budget_runs_the_whole_step_eagerly(
+    tmp_path: Path, get_tiny: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two prompts in one step, one call each: the first group's scores fit MAX_SCORES,
+    the second's do not; no group runs (the graph is never called), the step runs eagerly,
+    and both replies are transformers'."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here")
+    hf, _ = get_tiny("qwen3_5_text")
+    path = save_checkpoint(hf, tmp_path / "ckpt")
+    engine, graph = poisoned_engine(path, caching=True)
+    short, long = prompt(95, 20), prompt(96, 60)  # 4 heads x 20 x 32 keys; x 60 x 64
+    monkeypatch.setattr(
+        runner_module, "prefill_graph_calls", lambda sizes, heads: [range(0, 1), range(1, 2)]
+    )
+    monkeypatch.setattr(prefill_graph, "MAX_SCORES", 4 * 60 * 64 - 1)
+    calls = graph.step.num_calls
+    for request_id, ids in (("short", short), ("long", long)):
+        engine.add_request(request_id, ids, SamplingParams(max_tokens=4, temperature=0))
+    engine.step()  # both prefills
+    assert graph.step.num_calls == calls
+    replies = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                replies[out.request_id] = list(out.outputs[0].token_ids)
+    assert replies == {"short": hf_greedy(hf, short, 4)[0], "long": hf_greedy(hf, long, 4)[0]}
