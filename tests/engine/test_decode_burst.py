@@ -207,23 +207,33 @@ def stop_after(path: Path, ids: list[int], n: int) -> int:
     return next(reply[i] for i in range(n, 20) if reply[i] not in reply[:i])
 
 
+def one_stops(
+    path: Path, seed: int, stopper: str
+) -> tuple[dict[str, list[int]], int, dict[str, tuple[list[int], SamplingParams]]]:
+    """(prompts r0-r2 of 12 tokens, a stop token, the requests): 16 greedy tokens each,
+    ``stopper`` also stopping at the token its reply first gives at its 6th (inside the
+    second burst: 12 + 4 tokens, then 16)."""
+    ids = {f"r{i}": prompt(seed + i, 12) for i in range(3)}
+    stop = stop_after(path, ids[stopper], 6)
+    requests = {
+        name: (
+            p,
+            SamplingParams(
+                max_tokens=16, **GREEDY, **({"stop_token_ids": [stop]} if name == stopper else {})
+            ),
+        )
+        for name, p in ids.items()
+    }
+    return ids, stop, requests
+
+
 def test_a_request_that_stops_leaves_the_burst_at_once_and_the_others_go_on(
     checkpoints: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Nobody waits: a request whose token is one of its stop tokens gets no forward
     after it, the others burst on; replies equal one-token steps' and transformers'."""
     hf, path = checkpoints(ARCH)
-    ids = {f"r{i}": prompt(130 + i, 12) for i in range(3)}
-    stop = stop_after(path, ids["r1"], 6)  # inside the second burst: 12 + 4 tokens, then 16
-    requests = {
-        name: (
-            p,
-            SamplingParams(
-                max_tokens=16, **GREEDY, **({"stop_token_ids": [stop]} if name == "r1" else {})
-            ),
-        )
-        for name, p in ids.items()
-    }
+    ids, stop, requests = one_stops(path, 130, "r1")
     bursting = engine(path, burst=16, decode_burst_budget_ms=None)
     rounds = burst_rounds(bursting, monkeypatch)
     timed: list[int] = []  # the burst rounds run before each time per forward is noted
@@ -254,17 +264,7 @@ def test_a_stop_ends_the_burst_for_all_while_requests_wait_for_a_seat(
     ones keep their tokens and go on, and every reply equals one-token steps' and
     transformers'."""
     hf, path = checkpoints(ARCH)
-    ids = {f"r{i}": prompt(140 + i, 12) for i in range(3)}
-    stop = stop_after(path, ids["r0"], 6)
-    requests = {
-        name: (
-            p,
-            SamplingParams(
-                max_tokens=16, **GREEDY, **({"stop_token_ids": [stop]} if name == "r0" else {})
-            ),
-        )
-        for name, p in ids.items()
-    }
+    ids, stop, requests = one_stops(path, 140, "r0")
     replies = {}
     for burst in (16, 1):
         llm = engine(path, burst=burst, max_num_seqs=2, decode_burst_budget_ms=None)
