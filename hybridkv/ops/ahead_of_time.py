@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from hybridkv.ops import onednn_linear
+
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
@@ -274,9 +276,11 @@ def _build(
             program = export()
             from torch._inductor import aoti_compile_and_package
 
-            aoti_compile_and_package(
-                program, package_path=str(partial), inductor_configs=inductor_options
-            )
+            # a graph's linears traced through oneDNN take their weights as inputs
+            with onednn_linear.input_weight_lowering():
+                aoti_compile_and_package(
+                    program, package_path=str(partial), inductor_configs=inductor_options
+                )
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
