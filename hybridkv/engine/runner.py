@@ -11,7 +11,7 @@ the step's flat token axis after which the state is wanted, and the page to writ
 so a snapshot inside a prefill chunk costs a copy, not a step of its own.
 
 Where the model has them (loaded at warm-up), a step whose chunks all are decodes or
-prefill chunks of at most ``prefill_graph.MAX_TOKENS`` tokens runs no eager forward: its
+prefill chunks of at most :func:`prefill_graph_tokens` tokens runs no eager forward: its
 decodes go through the decode graph (hybridkv.models.decode_graph), whose snapshots, each
 after its request's one token, are the live state page copied whole once the graph has
 run, and its prefill chunks through the prefill graph (hybridkv.models.prefill_graph),
@@ -103,6 +103,7 @@ class ModelRunner:
         self.decode_graph: DecodeGraph | None = None
         self.prefill_graph: PrefillGraph | None = None
         self._layer_heads = 1  # layer_heads(model), once the prefill graph loads
+        self._prefill_graph_tokens = 0  # prefill_graph_tokens(model), likewise
 
     def warm_up_compiled(self) -> None:
         """Compile the model's compiled ops, and load its decode and prefill graphs, for
@@ -113,6 +114,7 @@ class ModelRunner:
             if self.decode_graph is not None:
                 self.prefill_graph = load_prefill_graph(self.model, self.views)
                 self._layer_heads = layer_heads(self.model)
+                self._prefill_graph_tokens = prefill_graph_tokens(self.model)
 
     @property
     def arena(self) -> Tensor:
@@ -288,7 +290,9 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             if _one_token(chunk):
                 decodes.append(i)
-            elif self.prefill_graph is not None and _short_prefill(chunk):
+            elif self.prefill_graph is not None and _short_prefill(
+                chunk, self._prefill_graph_tokens
+            ):
                 prefills.append(i)
             else:
                 return None
@@ -395,10 +399,36 @@ def _one_token(chunk: ScheduledChunk) -> bool:
     return chunk.num_tokens == 1 and _unspeculated(chunk)
 
 
-def _short_prefill(chunk: ScheduledChunk) -> bool:
-    """Whether a chunk may run the prefill graph: at most ``prefill_graph.MAX_TOKENS``
-    tokens, no drafts or scratch states."""
-    return chunk.num_tokens <= prefill_graph.MAX_TOKENS and _unspeculated(chunk)
+def _short_prefill(chunk: ScheduledChunk, max_tokens: int) -> bool:
+    """Whether a chunk may run the prefill graph: at most ``max_tokens`` tokens
+    (:func:`prefill_graph_tokens`), no drafts or scratch states."""
+    return chunk.num_tokens <= max_tokens and _unspeculated(chunk)
+
+
+# The most multiply-adds a GDN layer of the prefill graph spends per row and row of its
+# chunk beyond the eager chunked form: its recurrence is one chunk of all P rows, whose
+# P x P products (the system, its solve, q k^T and their uses) cost each row ~P x Hv x
+# (Dk + Dv) where the eager op's 16-row chunks cost ~16 x that. The tiny Qwen3.5 (Hv x
+# (Dk + Dv) = 112), bound by dispatch, gains at any P up to 128; the small Qwen3-Next of
+# vs_vllm_engine.py (1,024), bound by arithmetic, ran 32 x 128-token chunks 1.43x slower
+# than eagerly, 32 x 64 1.05x, 8 x 64 0.92x, one 100-token chunk 0.84x (one process,
+# alternated, 2026-11-27 evening): 64 tokens is its crossover.
+PREFILL_ROW_BUDGET = 1 << 16
+
+
+def prefill_graph_tokens(model: nn.Module) -> int:
+    """The longest prefill chunk the prefill graph runs for ``model``: at most
+    ``prefill_graph.MAX_TOKENS``, and :data:`PREFILL_ROW_BUDGET` over its widest GDN
+    layer's Hv x (Dk + Dv) (longer chunks cost more there than the eager forward)."""
+    widths = [
+        m.cfg.num_v_heads * (m.cfg.k_head_dim + m.cfg.v_head_dim)
+        for m in model.modules()
+        if isinstance(m, GatedDeltaNet)
+    ]
+    widest = max(widths, default=0)
+    if not widest:
+        return prefill_graph.MAX_TOKENS
+    return max(1, min(prefill_graph.MAX_TOKENS, PREFILL_ROW_BUDGET // widest))
 
 
 def page_tables(

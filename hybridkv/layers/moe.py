@@ -72,7 +72,9 @@ class ExpertRouting:
         flat = experts.reshape(-1)  # [T*k]
         self.order = torch.argsort(flat, stable=True)  # [N] sorted row -> flat pair
         self.token = self.order.div(top_k, rounding_mode="floor")  # [N] token of each row
-        self.counts = torch.bincount(flat, minlength=num_experts)  # [E]
+        # [E] rows of each expert; a scatter, not bincount, whose size depends on the ids'
+        # values (the graphs trace this with their sizes static: models/decode_graph.py)
+        self.counts = flat.new_zeros(num_experts).scatter_add_(0, flat, torch.ones_like(flat))
         self.offsets = self.counts.cumsum(0).to(torch.int32)  # [E] end row of each expert
         rank = torch.empty_like(self.order)
         rank[self.order] = torch.arange(self.order.numel(), device=flat.device)
@@ -367,6 +369,8 @@ def moe_forward(
     experts: Tensor,
     grouped: GroupedExperts,
     sum_dtype: torch.dtype | None = None,
+    *,
+    padded: bool = True,
 ) -> Tensor:
     """``sum_j weights[t, j] * expert_{experts[t, j]}(x[t])``: [T, H] in ``sum_dtype``.
 
@@ -375,10 +379,13 @@ def moe_forward(
         weights: [T, k] routing weights; the products take their dtype promotion.
         experts: [T, k] expert ids.
         sum_dtype: dtype of the weighted terms and their sum (default x's; NemotronH fp32).
+        padded: whether a decode-sized batch may take the padded layout; False: always
+            the sorted one, whose sizes depend on no value (the graphs trace it once
+            for every batch; the same bits in bf16 and fp16).
     """
-    padded = grouped.padded_routing(x, experts)
-    if padded is not None:  # decode-sized: pair order throughout
-        rows = grouped.padded(x, padded) * weights.reshape(-1, 1)  # [N, H]
+    layout = grouped.padded_routing(x, experts) if padded else None
+    if layout is not None:  # decode-sized: pair order throughout
+        rows = grouped.padded(x, layout) * weights.reshape(-1, 1)  # [N, H]
         return combine_pairs(rows.to(sum_dtype or x.dtype), experts)
     routing = ExpertRouting(experts, grouped.num_experts)
     rows = grouped(routing.sort(x), routing) * routing.sort_weights(weights)  # [N, H]
@@ -423,9 +430,10 @@ class SparseMoE(nn.Module):
             top_p = top_p / top_p.sum(dim=-1, keepdim=True)
         return top_p.to(logits.dtype), top_i
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, *, padded: bool = True) -> Tensor:
+        """x [T, H] -> [T, H]; ``padded``: as :func:`moe_forward`'s."""
         weights, experts = self.route(x)  # [T, k]
-        out = moe_forward(x, weights, experts, self.experts)
+        out = moe_forward(x, weights, experts, self.experts, padded=padded)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

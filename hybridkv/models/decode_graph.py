@@ -16,8 +16,8 @@ each row's K/V and recurrent states into the same pages and returns the same log
 rounding (tested on a poisoned arena: it writes nothing else and reads no garbage, a
 masked key's value zeroed before its weight of 0 multiplies it). Its attention keeps the
 scores and probabilities in fp32, where the eager bf16 path on a CPU with native bf16
-matmuls rounds both to bf16 as transformers does (this project's CPU has none, so that
-path is untested here). The model runner runs it for the one-token chunks (decodes, or
+matmuls rounds both to bf16 as transformers does (tested since 2026-11-27 on such a CPU:
+tests/models/test_decode_graph.py, the bf16 MoE models). The model runner runs it for the one-token chunks (decodes, or
 one-token prompts) of steps whose other chunks are short prefills, which the prefill
 graph runs (:mod:`hybridkv.models.prefill_graph`, built from this module's pieces:
 :func:`attention_inputs`, :func:`through_layers`, :func:`load_graph_package`); a step
@@ -28,10 +28,12 @@ one row alone and among three, the same weights, other bits).
 
 Only models made of pieces the graph knows run it (:func:`decode_graph_plan`): pre-norm
 decoder layers of paged full attention (RoPE, q/k norms, an output gate) or Gated DeltaNet,
-a gated MLP, RMSNorms, plain or fp32 linears and embeddings, the base LM head. Others (MoE,
-Mamba, sliding windows, packed weights, scaled embeddings) keep the eager forward, as do
-engines that run eagerly or where no package can be built. The weights are the package's
-inputs, not its constants: one package serves every checkpoint of a shape.
+a gated MLP or Qwen3-Next's sparse MoE in bf16 (:func:`feed_forward`: the sorted expert
+layout, one grouped matmul per weight; 2026-11-27), RMSNorms, plain or fp32 linears and
+embeddings, the base LM head. Others (fp32 MoE: traced, torch's grouped matmul takes bf16
+only; Mamba, sliding windows, packed weights, scaled embeddings) keep the eager forward, as
+do engines that run eagerly or where no package can be built. The weights are the
+package's inputs, not its constants: one package serves every checkpoint of a shape.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from torch import Tensor, nn
 
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
-from hybridkv.layers import fp32_matmul, gated_deltanet, mlp
+from hybridkv.layers import fp32_matmul, gated_deltanet, mlp, moe
 from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.fp32_matmul import Fp32Embedding, Fp32Linear
 from hybridkv.layers.gated_deltanet import (
@@ -57,12 +59,13 @@ from hybridkv.layers.gated_deltanet import (
     Qwen35GatedDeltaNet,
 )
 from hybridkv.layers.mlp import GatedMLP
+from hybridkv.layers.moe import GroupedExperts, SparseMoE
 from hybridkv.layers.norm import RMSNorm, ZeroCenteredRMSNorm
 from hybridkv.layers.packed_linear import PackedLinear
 from hybridkv.layers.rope import RotaryEmbedding
 from hybridkv.models.base import CausalLM, DecoderStack
 from hybridkv.models.common import PreNormDecoderLayer
-from hybridkv.ops import ahead_of_time
+from hybridkv.ops import ahead_of_time, row_copy
 from hybridkv.ops.ahead_of_time import AheadOfTimeStep
 from hybridkv.ops.gated_delta_rule import mixer_decode
 from hybridkv.ops.gated_delta_rule.mixer_decode import StepParams, StepViews
@@ -125,6 +128,54 @@ def _plain_module(module: nn.Module) -> bool:
     return not any(isinstance(sub, PackedLinear) for sub in module.modules())
 
 
+def _silu_mlp(module: nn.Module | None) -> bool:
+    return type(module) is GatedMLP and module.act is F.silu
+
+
+def _known_feed_forward(module: nn.Module) -> bool:
+    """A SiLU gated MLP, or Qwen3-Next's sparse MoE (softmax top-k router, SiLU gated
+    experts without biases in stacked bf16 weights the grouped matmul takes as they are,
+    an optional shared SiLU MLP behind a sigmoid gate): what :func:`feed_forward`
+    computes. bf16 only: traced, torch's grouped matmul refuses other dtypes (its eager
+    CPU kernel takes fp32 too), so an fp32 MoE model, or a bf16 one whose experts
+    multiply in fp32 on a CPU without bf16 instructions, keeps the eager forward."""
+    if _silu_mlp(module):
+        return True
+    if type(module) is not SparseMoE:
+        return False
+    experts = module.experts
+    weights = (experts.gate_up_proj, experts.down_proj)
+    return (
+        type(experts) is GroupedExperts
+        and experts.matmul_dtype is None
+        and all(w is not None and w.dtype == torch.bfloat16 for w in weights)
+        and experts.gated
+        and experts.act is F.silu
+        and experts.packed is None
+        and experts.gate_up_bias is None
+        and experts.down_bias is None
+        and all(w is not None and _aligned(w) for w in weights)
+        and (module.shared_expert is None or _silu_mlp(module.shared_expert))
+        and (module.shared_expert_gate is None or type(module.shared_expert_gate) in _LINEARS)
+        and type(module.gate) in _LINEARS
+    )
+
+
+def _aligned(weight: Tensor) -> bool:
+    """Whether a stacked expert weight's rows take the grouped matmul (16-byte strides),
+    not the per-expert loop whose slices depend on values."""
+    return all(n * weight.element_size() % 16 == 0 for n in weight.shape[1:])
+
+
+def feed_forward(module: nn.Module, x: Tensor) -> Tensor:
+    """A layer's MLP or sparse MoE over the rows ``x``, as the graphs compute it: a MoE
+    always in the sorted layout (its sizes depend on no value; the same bits as the
+    padded one in bf16 and fp16, and as the eager forward's for the batch's size in fp32)."""
+    if isinstance(module, SparseMoE):
+        return module(x, padded=False)
+    return module(x)
+
+
 def decode_graph_plan(model: CausalLM, views: CacheViews) -> GraphPlan | None:
     """The graph's plan for ``model`` over ``views``, or None where a piece of the model is
     one the graph does not know (module doc): the eager forward serves it."""
@@ -142,9 +193,7 @@ def decode_graph_plan(model: CausalLM, views: CacheViews) -> GraphPlan | None:
             return None
         norms = [getattr(layer, name) for name in layer.norm_names]
         feed_forward = getattr(layer, layer.feed_forward_name)
-        if any(type(n) not in _NORMS for n in norms) or type(feed_forward) is not GatedMLP:
-            return None
-        if feed_forward.act is not F.silu:
+        if any(type(n) not in _NORMS for n in norms) or not _known_feed_forward(feed_forward):
             return None
         mixer = getattr(layer, layer.mixer_name)
         if type(mixer) is PagedAttention:
@@ -287,7 +336,7 @@ def through_layers(
         at += layer_plan.num_caches
         mixer = getattr(layer, layer.mixer_name)
         x = x + mix(index, layer_plan, mixer, norm(mixer_norm, x), own)
-        x = x + getattr(layer, layer.feed_forward_name)(norm(ff_norm, x))
+        x = x + feed_forward(getattr(layer, layer.feed_forward_name), norm(ff_norm, x))
     return norm(stack.norm, x)
 
 
@@ -409,6 +458,9 @@ def _describe_model(model: CausalLM, plan: GraphPlan) -> str:
             parts.append(f"{type(module).__name__} eps={module.eps!r}")
         elif isinstance(module, _LINEARS + _EMBEDDINGS):
             parts.append(type(module).__name__)
+        elif isinstance(module, SparseMoE):  # (its experts' count is in their weights' shape)
+            shared = module.shared_expert is not None
+            parts.append(f"SparseMoE top_k={module.top_k} norm={module.norm_topk_prob} {shared}")
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
 
@@ -461,7 +513,15 @@ def _examples(
 
 
 # what the graph's code is made of (a change to one is a new package)
-_SOURCES = (sys.modules[__name__], *mixer_decode._SOURCES, gated_deltanet, mlp, fp32_matmul)
+_SOURCES = (
+    sys.modules[__name__],
+    *mixer_decode._SOURCES,
+    gated_deltanet,
+    mlp,
+    moe,
+    row_copy,
+    fp32_matmul,
+)
 
 
 def load_graph_package(

@@ -89,8 +89,10 @@ def index_select_rows(src: Tensor, index: Tensor, out: Tensor) -> Tensor:
 
 def select_rows(src: Tensor, index: Tensor) -> Tensor:
     """``src.index_select(0, index)`` into a new tensor, moved as 16-byte words when
-    possible; the plain op when autograd tracks ``src`` (``out=`` records no graph)."""
-    if needs_grad(src) or src.dim() == 0:
+    possible; the plain op when autograd tracks ``src`` (``out=`` records no graph) or a
+    compiler traces it (the graphs of models/decode_graph.py: a compiled gather is its own
+    loop, and a trace has no data pointers to check)."""
+    if needs_grad(src) or src.dim() == 0 or torch.compiler.is_compiling():
         return src.index_select(0, index)
     return index_select_rows(src, index, src.new_empty(index.numel(), *src.shape[1:]))
 

@@ -21,7 +21,10 @@ from tiny import hf_greedy, save_checkpoint
 
 from hybridkv.engine import EngineConfig, LLMEngine
 from hybridkv.engine.runner import ModelRunner
+from hybridkv.layers.moe import SparseMoE
+from hybridkv.models import decode_graph
 from hybridkv.models.decode_graph import DecodeGraph, decode_graph_plan, load_decode_graph
+from hybridkv.models.loader import LoadedModel, load_model
 from hybridkv.ops import ahead_of_time
 from hybridkv.ops.compiled import compile_enabled
 from hybridkv.sched.sampling_params import SamplingParams
@@ -30,14 +33,19 @@ PROMPTS = {"a": prompt(21, 19), "b": prompt(22, 40), "c": prompt(23, 3)}
 
 
 def prefilled(
-    get_tiny: Any, load: Callable[..., Any], prompts: dict[str, list[int]], seed: int
+    get_tiny: Any,
+    load: Callable[..., Any],
+    prompts: dict[str, list[int]],
+    seed: int,
+    lm: LoadedModel | None = None,
 ) -> tuple[PagedRunner, Any]:
-    """A runner over the tiny Qwen3.5 (a poisoned arena scrambled by ``seed``) with
-    ``prompts`` prefilled eagerly, and the graph ``load`` gives over its arena; skipped
-    where packages are off (the eager forward serves every step there)."""
+    """A runner over ``lm`` (default: the tiny Qwen3.5; a poisoned arena scrambled by
+    ``seed``) with ``prompts`` prefilled eagerly, and the graph ``load`` gives over its
+    arena; skipped where packages are off (the eager forward serves every step there)."""
     if not ahead_of_time.available() or not compile_enabled():
         pytest.skip("packages are off here (the eager forward serves every step)")
-    _, lm = get_tiny("qwen3_5_text")
+    if lm is None:
+        _, lm = get_tiny("qwen3_5_text")
     runner = PagedRunner(lm.model, lm.spec, seed=seed)
     graph = load(lm.model, runner.views)
     assert graph is not None
@@ -103,6 +111,96 @@ def test_the_graph_decodes_as_the_eager_forward(loaded: tuple[PagedRunner, Decod
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-4, equal_nan=True)
 
 
+def bf16_tiny(get_tiny: Any, model_type: str, tmp_path: Path) -> LoadedModel:
+    """The tiny ``model_type`` in bf16 with bf16 matmuls on any CPU (the graphs run sparse
+    MoE layers in bf16 only: torch's grouped matmul takes no other dtype when traced)."""
+    hf, _ = get_tiny(model_type)
+    return load_model(save_checkpoint(hf, tmp_path / model_type), "bfloat16", matmul_dtype="model")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+def test_the_graph_decodes_sparse_moe_layers_as_the_eager_forward(
+    get_tiny: Any, model_type: str, tmp_path: Path
+) -> None:
+    """Qwen3-Next's tiny model (sparse MoE layers between dense ones) and Qwen3.5-MoE's
+    (all sparse, a shared expert each), bf16: the graph's sorted expert layout gives the
+    eager forward's logits and pages; three rows route to several experts at once."""
+    lm = bf16_tiny(get_tiny, model_type, tmp_path)
+    runner, graph = prefilled(get_tiny, load_decode_graph, PROMPTS, seed=6, lm=lm)
+    rewind = _rewinder(runner)
+    eager = _decode(runner, None, ["a", "b", "c"])
+    eager_pages = _views(runner)
+    rewind()
+    got = _decode(runner, graph, ["a", "b", "c"])
+    assert_bf16_close(got, eager, _views(runner), eager_pages)
+
+
+def assert_bf16_close(
+    got: torch.Tensor,
+    eager: torch.Tensor,
+    pages: list[torch.Tensor],
+    eager_pages: list[torch.Tensor],
+) -> None:
+    """A bf16 model's graph against its eager forward, which round otherwise at every layer
+    (the graphs keep attention scores and the recurrence in fp32, the eager forward rounds
+    them to bf16 on a CPU with bf16 matmuls), the random tiny models amplifying it through
+    four layers: logits off by up to ~10% of the largest on the Qwen3-Next one
+    (2026-11-27; its MoE layers give the eager ones' bits on the same inputs:
+    test_the_graphs_sparse_moe_is_the_eager_layers), and a state element in a million by
+    up to ~1.2 after a prefill. So: logits within 15% of the largest, the NaN poison
+    exactly where it was, and at most one page element in a thousand off by over 0.1."""
+    assert torch.isfinite(got).all()
+    assert (got - eager).abs().max() <= 0.15 * eager.abs().max()
+    for mine, theirs in zip(pages, eager_pages, strict=True):
+        assert torch.equal(mine.isnan(), theirs.isnan())
+        off = ((mine - theirs).abs() > 0.1) & ~theirs.isnan()
+        assert off.sum() <= off.numel() // 1000
+
+
+def test_the_graphs_sparse_moe_is_the_eager_layers(get_tiny: Any, tmp_path: Path) -> None:
+    """The graphs' MoE (``decode_graph.feed_forward``: the sorted expert layout, plain
+    gathers) compiled ahead of time with its weights as inputs gives the eager layer's
+    bits in bf16 (its padded layout at decode sizes), at 1, 3 and 9 rows of one package."""
+    if not ahead_of_time.available() or not compile_enabled():
+        pytest.skip("packages are off here")
+    lm = bf16_tiny(get_tiny, "qwen3_5_moe_text", tmp_path)
+    moe = lm.model.model.layers[0].mlp
+    assert isinstance(moe, SparseMoE)
+
+    class FeedForward(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.moe = moe
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return decode_graph.feed_forward(self.moe, x)
+
+    layer = FeedForward()
+    names = [n for n, _ in layer.named_parameters()]
+    weights = [t.detach() for _, t in layer.named_parameters()]
+    example = torch.randn(2, 64).bfloat16()
+    flat = [*weights, example]
+    key = ahead_of_time.package_key(
+        "test-graph-moe", decode_graph._SOURCES, flat, [False] * len(weights) + [True]
+    )
+
+    def export() -> torch.export.ExportedProgram:
+        with torch.no_grad():
+            return torch.export.export(
+                decode_graph._Exported(layer, names),
+                (tuple(weights), (example,)),
+                dynamic_shapes=(tuple(None for _ in weights), ({0: torch.export.Dim("rows")},)),
+            )
+
+    step = ahead_of_time.load_or_build(key, export, {"emulate_precision_casts": True})
+    assert step is not None
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for num_rows in (1, 3, 9):
+            x = torch.randn(num_rows, 64).bfloat16()
+            assert torch.equal(step(*weights, x)[0], moe(x))
+
+
 def test_a_row_alone_and_in_a_batch_agree(loaded: tuple[PagedRunner, DecodeGraph]) -> None:
     """Request a alone and beside longer and shorter requests (wider key tables, masked
     columns): the same logits and pages to rounding, the same greedy token."""
@@ -148,17 +246,31 @@ def test_a_lone_decode_and_a_fresh_one_run_the_graph(
     assert_close(got, eager)
 
 
-def test_models_the_graph_does_not_know_keep_the_eager_forward(get_tiny: Any) -> None:
-    """MoE layers (Qwen3-Next's tiny model has sparse ones, Qwen3.5-MoE's are all sparse):
-    no plan; the dense Qwen3.5's layers are planned in order."""
-    for model_type in ("qwen3_next", "qwen3_5_moe_text"):
-        _, lm = get_tiny(model_type)
-        runner = PagedRunner(lm.model, lm.spec)
-        assert decode_graph_plan(lm.model, runner.views) is None
-    _, lm = get_tiny("qwen3_5_text")
-    plan = decode_graph_plan(lm.model, PagedRunner(lm.model, lm.spec).views)
-    assert plan is not None
-    assert [p.kind for p in plan.layers] == ["gdn", "attention", "gdn", "attention"]
+def test_models_the_graph_does_not_know_keep_the_eager_forward(
+    get_tiny: Any, tmp_path: Path
+) -> None:
+    """The dense Qwen3.5's and the bf16 sparse MoE models' layers are planned in order;
+    MoE experts the graph does not compute as the eager forward (fp32, packed for oneDNN,
+    with biases, another activation) leave a model to the eager forward."""
+    models = [get_tiny("qwen3_5_text")[1]]
+    models += [bf16_tiny(get_tiny, t, tmp_path) for t in ("qwen3_next", "qwen3_5_moe_text")]
+    for lm in models:
+        plan = decode_graph_plan(lm.model, PagedRunner(lm.model, lm.spec).views)
+        assert plan is not None
+        assert [p.kind for p in plan.layers] == ["gdn", "attention", "gdn", "attention"]
+    _, fp32 = get_tiny("qwen3_5_moe_text")
+    assert decode_graph_plan(fp32.model, PagedRunner(fp32.model, fp32.spec).views) is None
+    lm = models[-1]
+    views = PagedRunner(lm.model, lm.spec).views
+    changes: list[Callable[[Any], None]] = [
+        lambda experts: experts.pack_weights(min_elements=0),
+        lambda experts: setattr(experts, "down_bias", torch.nn.Parameter(torch.zeros(4, 64))),
+        lambda experts: setattr(experts, "act", torch.nn.functional.gelu),
+    ]
+    for change in changes:
+        model = copy.deepcopy(lm.model)
+        change(model.model.layers[1].mlp.experts)
+        assert decode_graph_plan(model, views) is None
 
 
 def test_subclasses_that_may_compute_otherwise_keep_the_eager_forward(get_tiny: Any) -> None:

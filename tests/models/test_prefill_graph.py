@@ -7,6 +7,8 @@ built once per machine and shape (~1-2 min) into the user's package cache.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +16,21 @@ import pytest
 import torch
 from hybrid_checks import assert_close, prompt
 from paged_runner import PagedRunner
-from test_decode_graph import _rewinder, _views, engines_on_and_off, generate, prefilled
+from test_decode_graph import (
+    _rewinder,
+    _views,
+    assert_bf16_close,
+    bf16_tiny,
+    engines_on_and_off,
+    generate,
+    prefilled,
+)
 from tiny import hf_greedy, make_hf_model, save_checkpoint
 
 from hybridkv.engine import EngineConfig, LLMEngine
 from hybridkv.engine import runner as runner_module
 from hybridkv.engine.runner import layer_heads, prefill_graph_calls
+from hybridkv.layers.gated_deltanet import GatedDeltaNet
 from hybridkv.models import prefill_graph
 from hybridkv.models.loader import load_model
 from hybridkv.models.prefill_graph import (
@@ -82,15 +93,20 @@ def _both_ways(
     graph: PrefillGraph,
     work: list[tuple[str, list[int]]],
     captures: list[tuple[int, int]] = (),  # type: ignore[assignment]
+    bf16: bool = False,
 ) -> None:
     """The step eagerly, then through the graph from the same bytes: the same logits, the
-    same pages written to rounding, nothing else written (the NaN poison where it was)."""
+    same pages written to rounding (a bf16 model's), nothing else written (the NaN
+    poison where it was)."""
     rewind = _rewinder(runner)
     eager = _prefill(runner, None, work, captures)
     eager_pages = _views(runner)
     rewind()
     got = _prefill(runner, graph, work, captures)
     assert torch.isfinite(got).all()
+    if bf16:
+        assert_bf16_close(got, eager, _views(runner), eager_pages)
+        return
     assert_close(got, eager)
     for mine, theirs in zip(_views(runner), eager_pages, strict=True):
         assert torch.equal(mine.isnan(), theirs.isnan())
@@ -130,6 +146,17 @@ def test_snapshots_taken_inside_the_graph(loaded: tuple[PagedRunner, PrefillGrap
     # rows of the flat step: a's 16th and last, fresh's 1st and last (a padded chunk's)
     captures = [(15, pages[0]), (39, pages[1]), (40, pages[2]), (72, pages[3])]
     _both_ways(runner, graph, work, captures)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+def test_sparse_moe_layers_prefill_as_the_eager_forward(
+    get_tiny: Any, model_type: str, tmp_path: Path
+) -> None:
+    """The tiny MoE models in bf16: a fresh and a continued chunk of unequal lengths, their
+    rows routed to every expert, through the graph's sorted expert layout."""
+    lm = bf16_tiny(get_tiny, model_type, tmp_path)
+    runner, graph = prefilled(get_tiny, load_prefill_graph, PREFIXES, 10, lm)
+    _both_ways(runner, graph, [("fresh", prompt(51, 45)), ("a", prompt(52, 20))], bf16=True)
 
 
 def test_an_engine_prefills_through_the_graph(tmp_path: Path, get_tiny: Any) -> None:
@@ -310,6 +337,25 @@ def test_steps_past_the_score_budget_run_eagerly(
     monkeypatch.setattr(prefill_graph, "MAX_SCORES", 4 * 60 * 64)
     assert generate(engine, "fits", second, 12)[0] == hf_greedy(hf, second, 12)[0]
     assert graph.step.num_calls > calls
+
+
+def test_the_longest_chunk_is_the_models(get_tiny: Any) -> None:
+    """The prefill graph takes chunks up to MAX_TOKENS on the tiny Qwen3.5 (its GDN rows
+    are narrow: Hv x (Dk + Dv) = 4 x 28), up to 64 on GDN layers of the small Qwen3-Next's
+    width (8 x 128), 8 on Qwen3-Next-80B's (32 x 256), and MAX_TOKENS without GDN layers;
+    a chunk past it runs eagerly."""
+    _, lm = get_tiny("qwen3_5_text")
+    assert runner_module.prefill_graph_tokens(lm.model) == MAX_TOKENS == 128
+    model = copy.deepcopy(lm.model)
+    gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    for widths, expected in [((8, 64, 64), 64), ((32, 128, 128), 8)]:
+        heads, k_dim, v_dim = widths
+        for m in gdn:
+            m.cfg = dataclasses.replace(
+                m.cfg, num_v_heads=heads, k_head_dim=k_dim, v_head_dim=v_dim
+            )
+        assert runner_module.prefill_graph_tokens(model) == expected
+    assert runner_module.prefill_graph_tokens(torch.nn.Linear(2, 2)) == MAX_TOKENS
 
 
 def test_prefill_chunks_run_in_groups_that_fit_the_l2() -> None:
