@@ -104,6 +104,7 @@ class ModelRunner:
         self.prefill_graph: PrefillGraph | None = None
         self._layer_heads = 1  # layer_heads(model), once the prefill graph loads
         self._prefill_graph_tokens = 0  # prefill_graph_tokens(model), likewise
+        self._light_weights = True  # light_weights(model), likewise
 
     def warm_up_compiled(self) -> None:
         """Compile the model's compiled ops, and load its decode and prefill graphs, for
@@ -115,6 +116,7 @@ class ModelRunner:
                 self.prefill_graph = load_prefill_graph(self.model, self.views)
                 self._layer_heads = layer_heads(self.model)
                 self._prefill_graph_tokens = prefill_graph_tokens(self.model)
+                self._light_weights = light_weights(self.model)
 
     @property
     def arena(self) -> Tensor:
@@ -290,9 +292,7 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             if _one_token(chunk):
                 decodes.append(i)
-            elif self.prefill_graph is not None and _short_prefill(
-                chunk, self._prefill_graph_tokens
-            ):
+            elif self.prefill_graph is not None and self._takes_prefill(chunk):
                 prefills.append(i)
             else:
                 return None
@@ -309,6 +309,15 @@ class ModelRunner:
         logits[long_tensor(decodes, self.device)] = from_decodes
         return logits
 
+    def _takes_prefill(self, chunk: ScheduledChunk) -> bool:
+        """Whether the prefill graph may run ``chunk``: at most
+        :func:`prefill_graph_tokens` tokens, no drafts or scratch states, and, for a model
+        past :data:`LIGHT_WEIGHT_BYTES`, at most :data:`HEAVY_PREFILL_MAX_KEYS` tokens of
+        context (its attention over whole key tables costs more than the eager one's)."""
+        if chunk.num_tokens > self._prefill_graph_tokens or not _unspeculated(chunk):
+            return False
+        return self._light_weights or chunk.end <= HEAVY_PREFILL_MAX_KEYS
+
     def _prefill_through(
         self, chunks: list[ScheduledChunk], manager: CacheManager
     ) -> Tensor | None:
@@ -321,7 +330,9 @@ class ModelRunner:
         block = graph.block_tokens or 1
         sizes = [(c.num_tokens, -(-c.end // block) * block) for c in chunks]
         calls: list[tuple[ForwardBatch, int]] = []
-        for group in prefill_graph_calls(sizes, self._layer_heads):
+        heads = self._layer_heads
+        groups = prefill_graph_calls(sizes, heads) if self._light_weights else [range(len(chunks))]
+        for group in groups:
             batch = self.build_batch([chunks[i] for i in group], manager, final_states_copied=True)
             width = graph.width(batch)
             if width is None:
@@ -363,6 +374,23 @@ class ModelRunner:
 PREFILL_GROUP_BYTES = 1 << 19
 
 
+# A model whose weights pass this many bytes is bound by arithmetic more than by dispatch:
+# the prefill graph runs its step's chunks in one call (each call reads every weight, which
+# the L2-sized groups' smaller intermediates cannot repay), and only chunks of short
+# contexts (the graph attends over whole key tables, gathered in fp32). The small
+# Qwen3-Next of vs_vllm_engine.py (84 MB of bf16 weights), W3's 32 chunks of 14 tokens
+# over 1,536 keys: 480 ms one chunk a call (each one's scores pass the group budget), 339
+# ms in one call, 174-181 ms eagerly (2026-11-27, one process each). The tiny Qwen3.5's
+# weights are ~0.3 MB.
+LIGHT_WEIGHT_BYTES = 16 << 20
+HEAVY_PREFILL_MAX_KEYS = 256
+
+
+def light_weights(model: nn.Module) -> bool:
+    """Whether ``model``'s weights are within :data:`LIGHT_WEIGHT_BYTES`."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()) <= LIGHT_WEIGHT_BYTES
+
+
 def prefill_graph_calls(sizes: list[tuple[int, int]], heads: int) -> list[range]:
     """The calls of the prefill graph for chunks of ``sizes`` (tokens, keys: its table's
     slots) in order: consecutive groups whose intermediates, requests x ``heads`` (the
@@ -397,12 +425,6 @@ def _unspeculated(chunk: ScheduledChunk) -> bool:
 def _one_token(chunk: ScheduledChunk) -> bool:
     """Whether a chunk may run the decode graph: one token, no drafts or scratch states."""
     return chunk.num_tokens == 1 and _unspeculated(chunk)
-
-
-def _short_prefill(chunk: ScheduledChunk, max_tokens: int) -> bool:
-    """Whether a chunk may run the prefill graph: at most ``max_tokens`` tokens
-    (:func:`prefill_graph_tokens`), no drafts or scratch states."""
-    return chunk.num_tokens <= max_tokens and _unspeculated(chunk)
 
 
 # The most multiply-adds a GDN layer of the prefill graph spends per row and row of its

@@ -358,6 +358,37 @@ def test_the_longest_chunk_is_the_models(get_tiny: Any) -> None:
     assert runner_module.prefill_graph_tokens(torch.nn.Linear(2, 2)) == MAX_TOKENS
 
 
+def test_heavy_models_prefill_in_one_call_and_short_contexts_only(get_tiny: Any) -> None:
+    """The tiny Qwen3.5's weights are light (its prefill chunks run in L2-sized groups, any
+    context); past LIGHT_WEIGHT_BYTES a model's step runs in one call of the graph, and a
+    chunk whose context passes HEAVY_PREFILL_MAX_KEYS tokens runs eagerly."""
+    _, lm = get_tiny("qwen3_5_text")
+    assert runner_module.light_weights(lm.model)
+    heavy = torch.nn.Linear(4096, runner_module.LIGHT_WEIGHT_BYTES // (4 * 4096) + 1)
+    assert not runner_module.light_weights(heavy)
+    runner = runner_module.ModelRunner.__new__(runner_module.ModelRunner)
+    runner._prefill_graph_tokens = MAX_TOKENS
+
+    class Chunk:
+        num_draft_tokens = 0
+
+        class allocation:
+            scratch = ()
+
+        def __init__(self, tokens: int, end: int) -> None:
+            self.num_tokens, self.end = tokens, end
+
+    keys = runner_module.HEAVY_PREFILL_MAX_KEYS
+    for light, tokens, end, takes in [
+        (True, 14, 1536, True),
+        (False, 14, keys, True),
+        (False, 14, keys + 1, False),
+        (True, MAX_TOKENS + 1, MAX_TOKENS + 1, False),
+    ]:
+        runner._light_weights = light
+        assert runner._takes_prefill(Chunk(tokens, end)) is takes  # type: ignore[arg-type]
+
+
 def test_prefill_chunks_run_in_groups_that_fit_the_l2() -> None:
     """A group's intermediates (4 x requests x heads x its longest chunk x max(that, its
     most keys) bytes) stay within the budget: the tiny model's 48-token prompts 14 to a
