@@ -17,11 +17,12 @@ rounding (tested on a poisoned arena: it writes nothing else and reads no garbag
 masked key's value zeroed before its weight of 0 multiplies it). Its attention keeps the
 scores and probabilities in fp32, where the eager bf16 path on a CPU with native bf16
 matmuls rounds both to bf16 as transformers does (tested since 2026-11-27 on such a CPU:
-tests/models/test_decode_graph.py, the bf16 MoE models). The model runner runs it for the one-token chunks (decodes, or
-one-token prompts) of steps whose other chunks are short prefills, which the prefill
-graph runs (:mod:`hybridkv.models.prefill_graph`, built from this module's pieces:
-:func:`attention_inputs`, :func:`through_layers`, :func:`load_graph_package`); a step
-that holds a longer prefill runs the eager forward over all its rows. A decode's logits
+tests/models/test_decode_graph.py, the bf16 MoE models). The model runner runs it for the
+one-token chunks (decodes, or one-token prompts) of steps whose other chunks are short
+prefills, which the prefill graph runs (:mod:`hybridkv.models.prefill_graph`, built
+from this module's pieces: :func:`attention_inputs`, :func:`through_layers`,
+:func:`load_graph_package`); a step that holds a longer prefill runs the eager forward
+over all its rows. A decode's logits
 so differ by rounding between the two kinds of step, as they already did with the batch's
 size: the linears' MKL kernels round a row differently with the number of rows (checked:
 one row alone and among three, the same weights, other bits).

@@ -67,7 +67,7 @@ from hybridkv.models.decode_graph import (
     load_graph_package,
     through_layers,
 )
-from hybridkv.ops import ahead_of_time, gated_norm, onednn_linear
+from hybridkv.ops import ahead_of_time, gated_norm
 from hybridkv.ops.ahead_of_time import AheadOfTimeStep
 from hybridkv.ops.gated_delta_rule.chunk_operands import per_v_head
 from hybridkv.ops.gated_delta_rule.mixer_decode import gates
@@ -313,11 +313,7 @@ class _Step(GraphStep):
             taps = self.conv_taps(index)
             return _gdn(mixer, h, lengths, pages_of[group], fresh, taps, rows, snapshot_pages, own)
 
-        # the layers' fp32 linears through oneDNN (many rows: where it is 2-3x MKL's speed
-        # on AMD CPUs), the LM head's few rows (one a request) through the BLAS
-        with onednn_linear.linears_through_onednn():
-            embedded = model.model.embed_tokens(ids.flatten())
-            x = through_layers(model, plan, embedded, caches, mix)
+        x = through_layers(model, plan, model.model.embed_tokens(ids.flatten()), caches, mix)
         last_rows = torch.arange(requests, device=ids.device) * width + lengths - 1
         return model.lm_head(x[last_rows]).float()
 
@@ -414,7 +410,7 @@ class PrefillGraph:
 
 
 # what the graph's code is made of (a change to one is a new package)
-_SOURCES = (sys.modules[__name__], gated_norm, onednn_linear, *decode_graph._SOURCES)
+_SOURCES = (sys.modules[__name__], gated_norm, *decode_graph._SOURCES)
 
 
 def load_prefill_graph(model: CausalLM, views: CacheViews) -> PrefillGraph | None:

@@ -45,8 +45,6 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from hybridkv.ops import onednn_linear
-
 if TYPE_CHECKING:
     from torch.export import ExportedProgram
 
@@ -276,11 +274,9 @@ def _build(
             program = export()
             from torch._inductor import aoti_compile_and_package
 
-            # a graph's linears traced through oneDNN take their weights as inputs
-            with onednn_linear.input_weight_lowering():
-                aoti_compile_and_package(
-                    program, package_path=str(partial), inductor_configs=inductor_options
-                )
+            aoti_compile_and_package(
+                program, package_path=str(partial), inductor_configs=inductor_options
+            )
         os.replace(partial, path)
     finally:
         partial.unlink(missing_ok=True)
