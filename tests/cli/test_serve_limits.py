@@ -123,7 +123,10 @@ def test_sigterm_finishes_running_requests_and_exits_despite_stalled_clients(
     first = threading.Event()
 
     def stream() -> None:
-        body = {"model": str(checkpoint), "prompt": "hello", "max_tokens": 24, "stream": True,
+        # long enough to be running when SIGTERM comes: with 24 tokens two CI runs on a
+        # fast CPU (2026-11-27) got the whole reply as one chunk (a stream sends the newest
+        # of its cumulative outputs), so the request had ended before SIGTERM
+        body = {"model": str(checkpoint), "prompt": "hello", "max_tokens": 200, "stream": True,
                 "ignore_eos": True, "temperature": 0}  # fmt: skip
         with (
             httpx.Client(timeout=120) as http,
