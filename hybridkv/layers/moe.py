@@ -34,7 +34,9 @@ expert with rows runs its two products as packed linears, one call each. 8 exper
 512 -> 512 | 256 -> 512, one thread, weights cold in cache as in a decode step, median of
 30: 1 token 270 -> 153 us, 8 tokens 509 -> 452 us, 64 tokens 819 -> 748 us; hot, 4096
 tokens (a prefill step) 28 -> 15 ms in bf16 and 80 -> 29 ms in fp32. Products stay
-bit-identical to ``F.linear`` in bf16.
+bit-identical to ``F.linear`` in bf16. A compiled graph runs packed experts as one call
+per weight of all experts (``packed_grouped_linear``, the weights named by handle), the
+gated activation between the two calls compiled with the rest.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hybridkv.layers.mlp import GatedMLP, activation
-from hybridkv.layers.packed_linear import PackedLinear, packing_threshold
+from hybridkv.layers.packed_linear import PackedLinear, packed_grouped_linear, packing_threshold
 from hybridkv.ops.row_copy import select_rows
 
 _GROUPED_MM_ALIGN_BYTES = 16  # F.grouped_mm needs 16-byte row strides on CPU
@@ -170,16 +172,22 @@ def combine_pairs(rows: Tensor, experts: Tensor) -> Tensor:
     return out
 
 
+def grouped_mm_aligned(weight: Tensor) -> bool:
+    """Whether a stacked expert weight [E, out, in] takes ``F.grouped_mm``: every row
+    stride a multiple of 16 bytes (else the per-expert loop, whose slices depend on
+    values, so no graph can trace it)."""
+    size = weight.element_size()
+    return all(n * size % _GROUPED_MM_ALIGN_BYTES == 0 for n in weight.shape[1:])
+
+
 def grouped_linear(x: Tensor, weight: Tensor, offsets: Tensor, bias: Tensor | None) -> Tensor:
     """``x[rows of e] @ weight[e].T (+ bias[e])`` for every expert e: [N, in] -> [N, out].
 
     One ``F.grouped_mm`` when it can run (no bias, no autograd, 16-byte row strides);
     otherwise one ``F.linear`` per expert slice, the same products.
     """
-    elem = x.element_size()
-    aligned = all(n * elem % _GROUPED_MM_ALIGN_BYTES == 0 for n in weight.shape[1:])
     grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    if bias is None and aligned and not grad and x.dtype == weight.dtype:
+    if bias is None and grouped_mm_aligned(weight) and not grad and x.dtype == weight.dtype:
         return F.grouped_mm(x.contiguous(), weight.transpose(1, 2), offs=offsets)
     ends = offsets.tolist()
     parts = []
@@ -278,6 +286,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x: Tensor, routing: ExpertRouting) -> Tensor:
         """x [N, H] rows in expert order -> [N, H]."""
         if self.packed is not None:
+            if torch.compiler.is_compiling():  # a graph: the weights by handle
+                return self._packed_grouped(x, routing.offsets)
             return self._per_expert(x, routing.offsets.tolist(), self.packed)
         h = self._grouped(x, self.gate_up_proj, routing.offsets, self.gate_up_bias)
         return self._grouped(self._activate(h), self.down_proj, routing.offsets, self.down_bias)
@@ -293,6 +303,16 @@ class GroupedExperts(nn.Module):
             gate, up = h.split(self.intermediate, dim=-1)
             return self.act(gate) * up  # [..., I]
         return self.act(h)
+
+    def _packed_grouped(self, x: Tensor, ends: Tensor) -> Tensor:
+        """:meth:`_per_expert` as a graph computes it: each weight one call of the packed
+        grouped product, the activation between them in the graph."""
+        assert self.packed is not None
+        dtype = self.matmul_dtype or x.dtype
+        gate_up, down = (torch.stack([pair[i].handle for pair in self.packed]) for i in (0, 1))
+        width, hidden = self.packed[0][0].out_features, self.packed[0][1].out_features
+        h = packed_grouped_linear(x.to(dtype), ends, gate_up, width).to(x.dtype)
+        return packed_grouped_linear(self._activate(h).to(dtype), ends, down, hidden)
 
     def _per_expert(self, x: Tensor, ends: list[int], packed: nn.ModuleList) -> Tensor:
         """Each expert with rows runs its packed linears on its slice of the sorted rows."""

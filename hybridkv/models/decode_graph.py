@@ -31,9 +31,10 @@ Only models made of pieces the graph knows run it (:func:`decode_graph_plan`): p
 decoder layers of paged full attention (RoPE, q/k norms, an output gate) or Gated DeltaNet,
 a gated MLP or Qwen3-Next's sparse MoE in bf16 (:func:`feed_forward`: the sorted expert
 layout, one grouped matmul per weight; 2026-11-27), RMSNorms, plain or fp32 linears and
-embeddings, the base LM head. Others (fp32 MoE: traced, torch's grouped matmul takes bf16
-only; Mamba, sliding windows, packed weights, scaled embeddings) keep the eager forward, as
-do engines that run eagerly or where no package can be built. The weights are the
+embeddings, the base LM head, and any of these linears packed for oneDNN (called by their
+handles: :mod:`hybridkv.layers.packed_linear`). Others (fp32 MoE: traced, torch's grouped
+matmul takes bf16 only; Mamba, sliding windows, scaled embeddings) keep the eager forward,
+as do engines that run eagerly or where no package can be built. The weights are the
 package's inputs, not its constants: one package serves every checkpoint of a shape.
 """
 
@@ -51,7 +52,7 @@ from torch import Tensor, nn
 
 from hybridkv.forward.batch import ForwardBatch
 from hybridkv.forward.views import CacheViews
-from hybridkv.layers import fp32_matmul, gated_deltanet, mlp, moe
+from hybridkv.layers import fp32_matmul, gated_deltanet, mlp, moe, packed_linear
 from hybridkv.layers.attention import PagedAttention
 from hybridkv.layers.fp32_matmul import Fp32Embedding, Fp32Linear
 from hybridkv.layers.gated_deltanet import (
@@ -73,7 +74,7 @@ from hybridkv.ops.gated_delta_rule.mixer_decode import StepParams, StepViews
 
 # the exact classes the graph computes (a subclass may compute otherwise)
 _NORMS = (ZeroCenteredRMSNorm, RMSNorm)
-_LINEARS = (nn.Linear, Fp32Linear)
+_LINEARS = (nn.Linear, Fp32Linear, PackedLinear)
 _EMBEDDINGS = (nn.Embedding, Fp32Embedding)
 _GDN_MIXERS = (Qwen35GatedDeltaNet, Qwen3NextGatedDeltaNet)
 # the model's methods the graph stands for: an architecture that overrides one is not it
@@ -123,49 +124,53 @@ def _plain_attention(mixer: PagedAttention) -> bool:
     return rotary_ok and all(type(n) in _NORMS for n in norms)
 
 
-def _plain_module(module: nn.Module) -> bool:
-    """Whether no linear under ``module`` holds a oneDNN-packed weight (an opaque layout
-    export cannot read)."""
-    return not any(isinstance(sub, PackedLinear) for sub in module.modules())
-
-
 def _silu_mlp(module: nn.Module | None) -> bool:
     return type(module) is GatedMLP and module.act is F.silu
 
 
 def _known_feed_forward(module: nn.Module) -> bool:
     """A SiLU gated MLP, or Qwen3-Next's sparse MoE (softmax top-k router, SiLU gated
-    experts without biases in stacked bf16 weights the grouped matmul takes as they are,
-    an optional shared SiLU MLP behind a sigmoid gate): what :func:`feed_forward`
-    computes. bf16 only: traced, torch's grouped matmul refuses other dtypes (its eager
-    CPU kernel takes fp32 too), so an fp32 MoE model, or a bf16 one whose experts
-    multiply in fp32 on a CPU without bf16 instructions, keeps the eager forward."""
+    experts without biases, an optional shared SiLU MLP behind a sigmoid gate): what
+    :func:`feed_forward` computes."""
     if _silu_mlp(module):
         return True
-    if type(module) is not SparseMoE:
+    if type(module) is not SparseMoE or not _known_experts(module.experts):
         return False
-    experts = module.experts
-    weights = (experts.gate_up_proj, experts.down_proj)
     return (
-        type(experts) is GroupedExperts
-        and experts.matmul_dtype is None
-        and all(w is not None and w.dtype == torch.bfloat16 for w in weights)
-        and experts.gated
-        and experts.act is F.silu
-        and experts.packed is None
-        and experts.gate_up_bias is None
-        and experts.down_bias is None
-        and all(w is not None and _aligned(w) for w in weights)
-        and (module.shared_expert is None or _silu_mlp(module.shared_expert))
+        (module.shared_expert is None or _silu_mlp(module.shared_expert))
         and (module.shared_expert_gate is None or type(module.shared_expert_gate) in _LINEARS)
         and type(module.gate) in _LINEARS
     )
 
 
-def _aligned(weight: Tensor) -> bool:
-    """Whether a stacked expert weight's rows take the grouped matmul (16-byte strides),
-    not the per-expert loop whose slices depend on values."""
-    return all(n * weight.element_size() % 16 == 0 for n in weight.shape[1:])
+def _known_experts(experts: nn.Module) -> bool:
+    """SiLU gated experts in bf16 without biases: stacked weights the grouped matmul takes
+    as they are, or weights packed for oneDNN (one call by handle per weight). bf16 only:
+    traced, torch's grouped matmul refuses other dtypes (its eager CPU kernel takes fp32
+    too), so an fp32 MoE model, or a bf16 one whose experts multiply in fp32 on a CPU
+    without bf16 instructions, keeps the eager forward; packed, the graphs run the dtype
+    their tests cover."""
+    if type(experts) is not GroupedExperts or experts.matmul_dtype is not None:
+        return False
+    if not experts.gated or experts.act is not F.silu:
+        return False
+    if experts.packed is not None:
+        return all(
+            isinstance(linear, PackedLinear)
+            and linear.bias is None
+            and linear.packed_weight.dtype == torch.bfloat16
+            for pair in experts.packed
+            for linear in pair
+        )
+    weights = (experts.gate_up_proj, experts.down_proj)
+    return (
+        experts.gate_up_bias is None
+        and experts.down_bias is None
+        and all(
+            w is not None and w.dtype == torch.bfloat16 and moe.grouped_mm_aligned(w)
+            for w in weights
+        )
+    )
 
 
 def feed_forward(module: nn.Module, x: Tensor) -> Tensor:
@@ -206,8 +211,6 @@ def decode_graph_plan(model: CausalLM, views: CacheViews) -> GraphPlan | None:
             layers.append(LayerPlan("gdn", views.state(index).group_id))
         else:
             return None
-    if not _plain_module(model):
-        return None
     attention = tuple(dict.fromkeys(p.group_id for p in layers if p.kind == "attention"))
     recurrent = tuple(dict.fromkeys(p.group_id for p in layers if p.kind == "gdn"))
     return GraphPlan(tuple(layers), attention, recurrent)
@@ -522,6 +525,7 @@ _SOURCES = (
     moe,
     row_copy,
     fp32_matmul,
+    packed_linear,  # (the schema of the ops the graph calls by name)
 )
 
 
@@ -541,7 +545,13 @@ def load_graph_package(
     last is the caches (:func:`cache_inputs`); ``shapes``: their dynamic dims as
     :func:`torch.export.export` takes them. The key covers ``sources``, the model's
     constants and every input's dtype, sizes and strides (a dynamic first size as any)."""
-    named = [*step.named_parameters(), *step.named_buffers()]
+    # (oneDNN-packed weights stay out: opaque, export cannot read them; the graph calls
+    # them by handle, an input like any buffer)
+    named = [
+        (n, t)
+        for n, t in (*step.named_parameters(), *step.named_buffers())
+        if t.layout == torch.strided
+    ]
     names = [n for n, _ in named]
     weights = [t.detach() for _, t in named]
     flat: list[Tensor] = [*weights]

@@ -6,12 +6,22 @@ other orders) and, packed, do not depend on how many rows share the call.
 
 from __future__ import annotations
 
+import copy
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridkv.layers.packed_linear import PackedLinear, can_pack, keep_plain, pack_linears
+from hybridkv.layers.packed_linear import (
+    PackedLinear,
+    can_pack,
+    keep_plain,
+    pack_linears,
+    packed_grouped_linear,
+    packed_linear,
+)
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN"
@@ -148,3 +158,39 @@ def test_thresholds_per_dtype() -> None:
         model = nn.Sequential(nn.Linear(512, 512), nn.Linear(1024, 1024)).to(dtype)
         pack_linears(model)
         assert tuple(type(m) for m in model) == packed_types, dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16_WHERE_PACKED])
+def test_the_ops_by_handle_give_the_modules_products(dtype: torch.dtype) -> None:
+    """What a compiled graph calls in place of packed modules (their weights named by
+    handle): one linear, and groups of sorted rows each times its own weight, an empty
+    group among them and no rows at all; the modules' own bits."""
+    torch.manual_seed(0)
+    modules = [packed(nn.Linear(64, 96, bias=i == 1).to(dtype)) for i in range(3)]
+    x = torch.randn(7, 64, dtype=dtype)
+    handles = torch.stack([m.handle for m in modules])
+    with torch.inference_mode():
+        for m in modules:
+            assert torch.equal(packed_linear(x, m.handle, m.bias, 96), m(x))
+        # groups: rows 0-2, none (the one module with a bias: grouped products have none),
+        # rows 3-6
+        got = packed_grouped_linear(x, torch.tensor([3, 3, 7]), handles, 96)
+        assert torch.equal(got, torch.cat([modules[0](x[:3]), modules[2](x[3:])]))
+        empty = packed_grouped_linear(x[:0], torch.tensor([0, 0, 0]), handles, 96)
+        assert empty.shape == (0, 96)
+
+
+def test_a_copy_has_a_handle_of_its_own() -> None:
+    """A deep copy (a copied model) names its own weight: the graphs of the copy call it,
+    not the original's, and still can once the original is gone."""
+    torch.manual_seed(0)
+    module = packed(nn.Linear(64, 96))
+    twin = copy.deepcopy(module)
+    assert int(twin.handle) != int(module.handle)
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        want = module(x)
+        del module
+        gc.collect()
+        assert torch.equal(packed_linear(x, twin.handle, twin.bias, 96), want)
+        assert torch.equal(twin(x), want)

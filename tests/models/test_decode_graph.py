@@ -22,6 +22,7 @@ from tiny import hf_greedy, save_checkpoint
 from hybridkv.engine import EngineConfig, LLMEngine
 from hybridkv.engine.runner import ModelRunner
 from hybridkv.layers.moe import SparseMoE
+from hybridkv.layers.packed_linear import can_pack, pack_linears
 from hybridkv.models import decode_graph
 from hybridkv.models.decode_graph import DecodeGraph, decode_graph_plan, load_decode_graph
 from hybridkv.models.loader import LoadedModel, load_model
@@ -133,6 +134,31 @@ def test_the_graph_decodes_sparse_moe_layers_as_the_eager_forward(
     rewind()
     got = _decode(runner, graph, ["a", "b", "c"])
     assert_bf16_close(got, eager, _views(runner), eager_pages)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+def test_the_graph_calls_packed_weights_by_handle(
+    get_tiny: Any, model_type: str, tmp_path: Path
+) -> None:
+    """Every linear and expert weight packed for oneDNN (the engine packs small bf16
+    models by default): the graph names each weight by its handle and gives the plain
+    weights' graph its logits and pages to bf16 rounding (not bit for bit: inductor
+    compiles the two graphs' roundings around the products differently; a weight mixed
+    up would change every logit), rows routed to several experts at once."""
+    if not can_pack(torch.bfloat16):
+        pytest.skip("oneDNN cannot pack bf16 on this CPU (AVX2 alone)")
+    lm = bf16_tiny(get_tiny, model_type, tmp_path)
+    runner, graph = prefilled(get_tiny, load_decode_graph, PROMPTS, seed=6, lm=lm)
+    rewind = _rewinder(runner)
+    plain = _decode(runner, graph, ["a", "b", "c"])
+    plain_pages = _views(runner)
+    rewind()
+    model = copy.deepcopy(lm.model)
+    assert pack_linears(model, min_elements=0) > 0
+    packed_graph = load_decode_graph(model, runner.views)
+    assert packed_graph is not None
+    got = _decode(runner, packed_graph, ["a", "b", "c"])
+    assert_bf16_close(got, plain, _views(runner), plain_pages)
 
 
 def assert_bf16_close(
@@ -249,9 +275,10 @@ def test_a_lone_decode_and_a_fresh_one_run_the_graph(
 def test_models_the_graph_does_not_know_keep_the_eager_forward(
     get_tiny: Any, tmp_path: Path
 ) -> None:
-    """The dense Qwen3.5's and the bf16 sparse MoE models' layers are planned in order;
-    MoE experts the graph does not compute as the eager forward (fp32, packed for oneDNN,
-    with biases, another activation) leave a model to the eager forward."""
+    """The dense Qwen3.5's and the bf16 sparse MoE models' layers are planned in order,
+    their experts' weights stacked or packed for oneDNN; MoE experts the graph does not
+    compute as the eager forward (fp32, with biases, another activation) leave a model to
+    the eager forward."""
     models = [get_tiny("qwen3_5_text")[1]]
     models += [bf16_tiny(get_tiny, t, tmp_path) for t in ("qwen3_next", "qwen3_5_moe_text")]
     for lm in models:
@@ -262,8 +289,11 @@ def test_models_the_graph_does_not_know_keep_the_eager_forward(
     assert decode_graph_plan(fp32.model, PagedRunner(fp32.model, fp32.spec).views) is None
     lm = models[-1]
     views = PagedRunner(lm.model, lm.spec).views
+    if can_pack(torch.bfloat16):  # (not on a CPU with AVX2 alone)
+        packed = copy.deepcopy(lm.model)
+        assert pack_linears(packed, min_elements=0) > 0
+        assert decode_graph_plan(packed, views) is not None
     changes: list[Callable[[Any], None]] = [
-        lambda experts: experts.pack_weights(min_elements=0),
         lambda experts: setattr(experts, "down_bias", torch.nn.Parameter(torch.zeros(4, 64))),
         lambda experts: setattr(experts, "act", torch.nn.functional.gelu),
     ]
