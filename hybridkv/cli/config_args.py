@@ -93,8 +93,8 @@ def add_config_args(group: Any, cls: type, *, skip: tuple[str, ...] = ()) -> Non
         if default not in (None, False):
             text = f"{text.rstrip('.')} (default: {default})"
         kwargs: dict[str, Any] = {"dest": f.name, "default": default, "help": text}
-        if _base_type(hints[f.name]) is bool:  # --x/--no-x when on by default, else --x
-            action = argparse.BooleanOptionalAction if default else "store_true"
+        if _base_type(hints[f.name]) is bool:  # --x/--no-x unless off by default: --x
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
             group.add_argument(*names, action=action, **kwargs)
             continue
         if "choices" in f.metadata:

@@ -129,10 +129,13 @@ class EngineConfig:
             model, else the model family's rule (the checkpoint's mamba_ssm_dtype if any).
         device: torch device ('cpu', 'cuda', ...).
         pack_weights: on the CPU, lay the large linear weights out once in oneDNN's blocked
-            format (see hybridkv.layers.packed_linear): faster small-batch and fp32
-            matmuls, but a slower load (the checkpoint is read into memory and reordered:
-            Qwen3.5-0.8B bf16 7.2 s against 0.8 s plain, benchmarks/load_memory.py), so
-            off by default.
+            format (see hybridkv.layers.packed_linear): faster small-batch matmuls (a
+            decode of 8 rows of the small Qwen3-Next 11.1 -> 8.6 ms), a slower load (the
+            checkpoint is read into memory and reordered). None ('auto', the default):
+            packs a bf16 / fp16 model whose weights take at most
+            hybridkv.models.loader.AUTO_PACK_MAX_BYTES (512 MiB: the cost stays under a
+            second; packed bf16 products are the plain ones' bits) and multiply in the
+            model dtype; True always, False never (--no-pack-weights).
         cpu_matmul_dtype: what a bf16 / fp16 model's matmuls run in: 'auto' is float32 on
             a CPU that only emulates the model dtype's matmuls (AVX2 alone: no AVX-512,
             AVX-NE-CONVERT or AMX; there bf16 runs several times slower than fp32), the
@@ -195,7 +198,7 @@ class EngineConfig:
     kv_cache_dtype: str = field(default="auto", metadata={"choices": KV_CACHE_DTYPES})
     mamba_ssm_cache_dtype: str = field(default="auto", metadata={"choices": MAMBA_SSM_CACHE_DTYPES})
     device: str = "cpu"
-    pack_weights: bool = False
+    pack_weights: bool | None = None
     cpu_matmul_dtype: str = field(default="auto", metadata={"choices": MATMUL_DTYPES})
     enforce_eager: bool = False
     tensor_parallel_size: int = field(default=1, metadata={"aliases": ("-tp",)})

@@ -33,7 +33,7 @@ from hybridkv.core.spec import ModelSpec, canonical_dtype
 from hybridkv.core.units import GIB
 from hybridkv.forward.views import TORCH_DTYPES
 from hybridkv.layers.fp32_matmul import upcast_extra_bytes, upcast_linears
-from hybridkv.layers.packed_linear import pack_linears
+from hybridkv.layers.packed_linear import pack_linears, packing_threshold
 from hybridkv.models.base import CausalLM
 from hybridkv.models.registry import model_class
 from hybridkv.models.tokenizer import Tokenizer
@@ -214,7 +214,7 @@ def load_model(
     kv_dtype: str | None = None,
     ssm_dtype: str | None = None,
     tokenizer_dir: str | Path | None = None,
-    pack_weights: bool = False,
+    pack_weights: bool | None = False,
     matmul_dtype: str = "auto",
     weight_memory_limit: int | None = None,
 ) -> LoadedModel:
@@ -228,7 +228,8 @@ def load_model(
     CPU, ``pack_weights`` lays the large linear weights out once for oneDNN
     (:mod:`hybridkv.layers.packed_linear`): faster, inference only; the checkpoint is
     then read into memory rather than mapped (a packed copy made from mapped pages would
-    leave them resident beside it), which makes the load slower. ``matmul_dtype`` (one of
+    leave them resident beside it), which makes the load slower; None packs where
+    :func:`packs_by_default`. ``matmul_dtype`` (one of
     :data:`MATMUL_DTYPES`), on the CPU: "float32" holds a bf16 / fp16 model's matmul
     weights in fp32 and runs its products in fp32 (:mod:`hybridkv.layers.fp32_matmul`;
     the checkpoint is then read unmapped too); "auto" does so where the CPU only emulates
@@ -264,10 +265,12 @@ def load_model(
         param.data = param.data.to(TORCH_DTYPES[dtype])
     model.materialize_device = torch.device(device)
     files = safetensors_files(model_dir)
-    pack = pack_weights and device == "cpu"
     upcasts = _upcasts(matmul_dtype, dtype, device) and _upcast_fits(
         model, matmul_dtype, dtype, weight_memory_limit
     )
+    if pack_weights is None:
+        pack_weights = packs_by_default(model, dtype, upcasts)
+    pack = pack_weights and device == "cpu"
     progress = len(files) > 1 and sys.stderr.isatty()
     # packing and fp32 matmul weights copy the weights: read them unmapped, or the mapped
     # pages stay resident beside the copies while any tensor of the file lives
@@ -336,6 +339,27 @@ def _upcast_fits(model: nn.Module, matmul_dtype: str, dtype: str, limit: int | N
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+# the most weight bytes a model packs by default (packs_by_default): packing reads the
+# checkpoint into memory and reorders every large weight, 0.10 -> 0.14 s for the 84 MB of
+# the small Qwen3-Next of issue 13, 0.8 -> 7.2 s for Qwen3.5-0.8B's 2,659 MiB (~2.4 s a
+# GiB: benchmarks/load_memory.py, docs/architecture.md), so ~1.2 s at this limit; larger
+# models opt in
+AUTO_PACK_MAX_BYTES = 512 << 20
+
+
+def packs_by_default(model: nn.Module, dtype: str, upcasts: bool) -> bool:
+    """Whether ``pack_weights=None`` packs this model: one in bf16 or fp16 that multiplies
+    in its own dtype (packed products are then the plain ones' bits; fp32 ones round
+    otherwise than MKL's, and transformers' answers are the fp32 reference) with weights
+    of at most :data:`AUTO_PACK_MAX_BYTES`. Its small-batch matmuls gain most: the decode
+    graph's 8-row step of the small Qwen3-Next 11.1 -> 8.6 ms (its experts' one-to-three-row
+    products ~1.6x)."""
+    if dtype not in ("bfloat16", "float16") or upcasts:
+        return False
+    fits = parameter_bytes(model) <= AUTO_PACK_MAX_BYTES
+    return fits and packing_threshold(TORCH_DTYPES[dtype]) is not None
 
 
 def _upcasts(matmul_dtype: str, dtype: str, device: str) -> bool:

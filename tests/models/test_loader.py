@@ -268,6 +268,32 @@ def test_packed_load_gives_the_same_logits_in_bfloat16(
         torch.testing.assert_close(run(packed), run(plain), atol=0.05, rtol=0.02)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_pack_weights_none_packs_small_models_that_multiply_in_bf16(
+    dtype: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``pack_weights=None`` (the engine's default): a bf16 model that multiplies in bf16
+    and whose weights fit :data:`loader.AUTO_PACK_MAX_BYTES` is packed (thresholds lowered
+    so the tiny model's linears are); a larger one, an fp32 one (packed fp32 products round
+    otherwise than transformers'), and one whose matmuls run in fp32 are not."""
+    import hybridkv.layers.packed_linear as packed_linear
+
+    if not packed_linear.can_pack(torch.bfloat16):
+        pytest.skip("oneDNN cannot pack bf16 on this CPU (AVX2 alone)")
+    path = save_checkpoint(make_hf_model("qwen3_5_text"), tmp_path)
+    for key in list(packed_linear.MIN_PACKED_ELEMENTS):
+        monkeypatch.setitem(packed_linear.MIN_PACKED_ELEMENTS, key, 0)
+
+    def packs(**options: object) -> bool:
+        lm = load_model(path, dtype, pack_weights=None, **options)  # type: ignore[arg-type]
+        return any(isinstance(m, packed_linear.PackedLinear) for m in lm.model.modules())
+
+    assert packs(matmul_dtype="model") == (dtype == "bfloat16")
+    assert not packs(matmul_dtype="float32")
+    monkeypatch.setattr(loader, "AUTO_PACK_MAX_BYTES", 1000)
+    assert not packs(matmul_dtype="model")
+
+
 def test_the_upcast_estimate_counts_a_tied_table_once(tmp_path: Path) -> None:
     """upcast_extra_bytes, read off the bf16 model (as the loader reads it off the model
     built on meta, before the checkpoint): exactly the bytes ``matmul_dtype="float32"``
