@@ -56,6 +56,9 @@ ENGINE_FLAGS: list[tuple[list[str], str, Any]] = [
     (["--trust-remote-code"], "trust_remote_code", True),
     (["--seed", "7"], "seed", 7),
     (["--device", "cpu"], "device", "cpu"),
+    ([], "pack_weights", None),  # auto: hybridkv.models.loader.packs_by_default
+    (["--pack-weights"], "pack_weights", True),
+    (["--no-pack-weights"], "pack_weights", False),
     (["--eviction", "cost"], "eviction", "cost"),
     (["--checkpoint-interval", "64"], "checkpoint_interval", 64),
     (["--enforce-eager"], "enforce_eager", True),
