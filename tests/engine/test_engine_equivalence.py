@@ -28,7 +28,7 @@ from hybridkv.engine.config import EngineConfig
 from hybridkv.layers import packed_linear
 from hybridkv.layers.fp32_matmul import Fp32Linear
 from hybridkv.layers.gated_deltanet import GatedDeltaNet
-from hybridkv.ops import compiled
+from hybridkv.ops import ahead_of_time, compiled
 from hybridkv.ops.gated_delta_rule import mixer_decode
 from hybridkv.ops.paged_attention import batched as attention_batched
 
@@ -205,6 +205,39 @@ def test_bf16_with_fp32_matmuls_cache_on_equals_off_equals_transformers(
         assert p == p_off and reply == reply_off
         assert_transformers_greedy_in_bf16(hf16, p, reply)
     assert sum(c for _, _, c in with_cache) > 0
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_bf16_moe_through_the_graphs_gives_transformers_greedy_replies(
+    packed: bool, checkpoints: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bf16 Qwen3-Next with bf16 matmuls, whose sparse MoE layers run inside the
+    decode and prefill graphs, its weights plain or packed for oneDNN (thresholds lowered
+    to 0, so every linear and expert is called by handle): with caching on and off, every
+    reply of the multi-turn scenario is transformers' greedy choice in bf16 up to bf16 ties
+    (teacher forcing), and the cached run was served from the cache. Not on == off token
+    for token: a decode's bits differ between the graph and a mixed step's eager forward
+    (decode_graph's module doc), and bf16 turns that into different near-ties."""
+    if packed and not packed_linear.can_pack(torch.bfloat16):
+        pytest.skip("oneDNN cannot pack bf16 on this CPU (AVX2 alone)")
+    if packed:
+        zero = dict.fromkeys(packed_linear.MIN_PACKED_ELEMENTS, 0)
+        monkeypatch.setattr(packed_linear, "MIN_PACKED_ELEMENTS", zero)
+    hf, path = checkpoints("qwen3_next")
+    options = {**OPTIONS, "dtype": "bfloat16", "cpu_matmul_dtype": "model"}
+    options["mamba_ssm_cache_dtype"] = "float32"
+    hf16 = copy.deepcopy(hf).to(torch.bfloat16)
+    for caching in (True, False):
+        llm = LLM(str(path), enable_prefix_caching=caching, pack_weights=packed, **options)
+        runner = llm.engine.runner
+        if compiled.compile_enabled() and ahead_of_time.available():
+            assert runner.decode_graph is not None  # the graphs know every piece
+        modules = list(runner.model.modules())
+        assert any(isinstance(m, packed_linear.PackedLinear) for m in modules) == packed
+        results = run_scenario(llm)
+        for p, reply, _ in results:
+            assert_transformers_greedy_in_bf16(hf16, p, reply)
+        assert (sum(c for _, _, c in results) > 0) == caching
 
 
 BF16_TIE = 0.25  # logits closer than this are a tie in bf16 (two runs differ up to ~0.15)
