@@ -10,7 +10,9 @@ between forwards; vLLM runs its engine core and its client in processes of their
 the machine's other core. Each probe submits its requests at once and runs them to the end:
 
     decode b8        8 x 300-token prompts, 100 tokens out: median time between step
-                     returns, over the steps where all 8 requests decode and none finishes
+                     returns per token each request gained (hybridkv's step runs greedy
+                     decodes in bursts of forwards), over the steps where all 8 requests
+                     decode and none finishes
     decode b64       64 x 128-token prompts, 40 tokens out: the same over 64 requests
     prefill 64x128   64 x 128-token prompts, one token out: submission to the end
     prefill 4x1000   4 x 1,000-token prompts, one token out: submission to the end
@@ -87,23 +89,29 @@ class Stepper:
             self.ids += 1
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[float]]:
-        """(seconds from submission to the end, seconds of each full-batch decode step).
+        """(seconds from submission to the end, seconds per token of each full-batch decode
+        step).
 
         A full-batch decode step returns an output for every request, each of which has
         returned one before (its prefill is done), and finishes none. Its time runs from
-        the previous step's return to its own, so nothing between steps is left out."""
+        the previous step's return to its own, so nothing between steps is left out, and
+        is divided by the tokens each request gained in it: one in vLLM, up to a burst's
+        worth in hybridkv, whose ``step()`` runs greedy decodes in bursts of forwards
+        (engine/decode_burst.py; before 2026-11-27 night this probe timed whole bursts)."""
         start = time.perf_counter()
         self.submit(prompts, max_tokens)
-        seen: set[str] = set()
+        lengths: dict[str, int] = {}
         decode_steps: list[float] = []
         last = time.perf_counter()
         while self.core.has_unfinished_requests():
             outputs = self.core.step()
             now = time.perf_counter()
-            ids = {out.request_id for out in outputs}
-            if len(ids) == len(prompts) and ids <= seen and not any(o.finished for o in outputs):
-                decode_steps.append(now - last)
-            seen |= ids
+            new = {out.request_id: len(out.outputs[0].token_ids) for out in outputs}
+            gained = {n - lengths[req] for req, n in new.items() if req in lengths}
+            full = len(new) == len(prompts) and new.keys() <= lengths.keys()
+            if full and not any(o.finished for o in outputs) and len(gained) == 1:
+                decode_steps.append((now - last) / max(gained.pop(), 1))
+            lengths.update(new)
             last = now
         return time.perf_counter() - start, decode_steps
 
