@@ -128,12 +128,21 @@ def test_the_graph_decodes_sparse_moe_layers_as_the_eager_forward(
     eager forward's logits and pages; three rows route to several experts at once."""
     lm = bf16_tiny(get_tiny, model_type, tmp_path)
     runner, graph = prefilled(get_tiny, load_decode_graph, PROMPTS, seed=6, lm=lm)
+    assert_bf16_decodes_agree(runner, None, graph)
+
+
+def assert_bf16_decodes_agree(
+    runner: PagedRunner, want: DecodeGraph | None, got: DecodeGraph | None
+) -> None:
+    """One decode step of requests a, b, c through ``want`` and, from the same bytes,
+    through ``got`` (None: the eager forward): :func:`assert_bf16_close`."""
     rewind = _rewinder(runner)
-    eager = _decode(runner, None, ["a", "b", "c"])
-    eager_pages = _views(runner)
+    expected = _decode(runner, want, ["a", "b", "c"])
+    expected_pages = _views(runner)
     rewind()
-    got = _decode(runner, graph, ["a", "b", "c"])
-    assert_bf16_close(got, eager, _views(runner), eager_pages)
+    assert_bf16_close(
+        _decode(runner, got, ["a", "b", "c"]), expected, _views(runner), expected_pages
+    )
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
@@ -149,16 +158,11 @@ def test_the_graph_calls_packed_weights_by_handle(
         pytest.skip("oneDNN cannot pack bf16 on this CPU (AVX2 alone)")
     lm = bf16_tiny(get_tiny, model_type, tmp_path)
     runner, graph = prefilled(get_tiny, load_decode_graph, PROMPTS, seed=6, lm=lm)
-    rewind = _rewinder(runner)
-    plain = _decode(runner, graph, ["a", "b", "c"])
-    plain_pages = _views(runner)
-    rewind()
     model = copy.deepcopy(lm.model)
     assert pack_linears(model, min_elements=0) > 0
     packed_graph = load_decode_graph(model, runner.views)
     assert packed_graph is not None
-    got = _decode(runner, packed_graph, ["a", "b", "c"])
-    assert_bf16_close(got, plain, _views(runner), plain_pages)
+    assert_bf16_decodes_agree(runner, graph, packed_graph)
 
 
 def assert_bf16_close(
