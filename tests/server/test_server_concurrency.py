@@ -11,11 +11,16 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
-from server_helpers import MODEL_NAME, scrape, wait_idle
+import pytest
+from server_helpers import ENGINE_OPTIONS, MODEL_NAME, LiveServer, scrape, start_server, wait_idle
+
+from hybridkv.engine import EngineConfig, LLMEngine
 
 NUM_CLIENTS = 32
 COMPLETE_TOKENS = 8
@@ -89,14 +94,32 @@ def test_32_streams_with_a_third_disconnecting(live: Any, http: httpx.Client) ->
     assert ok.status_code == 200
 
 
-def test_non_streaming_client_timeout_aborts(http: httpx.Client, live: Any) -> None:
+LONG_REQUEST = 4000  # tokens: generating them takes the tiny model ~1 s, not ~50 ms
+
+
+@pytest.fixture(scope="module")
+def roomy(checkpoint: Path) -> Iterator[tuple[LiveServer, httpx.Client]]:
+    """A server whose requests may run to :data:`LONG_REQUEST` tokens (the shared one's
+    256-token limit lets the tiny model finish a whole request in ~50 ms, bursts of 16
+    tokens a step, before a hang-up can reach it), and a client of it."""
+    options = {**ENGINE_OPTIONS, "max_model_len": LONG_REQUEST + 64}
+    server = start_server(LLMEngine(EngineConfig(model=str(checkpoint), **options)))
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        yield server, http
+    server.stop()
+
+
+def test_non_streaming_client_timeout_aborts(roomy: tuple[LiveServer, httpx.Client]) -> None:
     """A client that gives up on a non-streaming request gets its request cancelled too.
 
     The client hangs up once the request has generated (not after a fixed time: a fast
-    engine finished all 240 tokens within the 0.3 s an earlier version waited)."""
+    engine finished all 240 tokens within the 0.3 s an earlier version waited), and the
+    request is long enough that it cannot finish first (a CI run on a fast CPU saw all
+    240 tokens of the former request generated before the hang-up reached it)."""
+    live, http = roomy
     before = scrape(http)["vllm:generation_tokens_total"]
     body = json.dumps(
-        {"model": MODEL_NAME, "prompt": "Tell me", "max_tokens": 240, "ignore_eos": True}
+        {"model": MODEL_NAME, "prompt": "Tell me", "max_tokens": LONG_REQUEST, "ignore_eos": True}
     ).encode()
     url = httpx.URL(live.base_url)
     request = (
@@ -110,7 +133,7 @@ def test_non_streaming_client_timeout_aborts(http: httpx.Client, live: Any) -> N
             assert time.monotonic() < deadline, "the request never started"
     metrics = wait_idle(http, timeout_s=20)  # the socket is closed: the client gave up
     generated = metrics["vllm:generation_tokens_total"] - before
-    assert 0 < generated < 240, f"the abandoned request ran to {generated} tokens"
+    assert 0 < generated < LONG_REQUEST, f"the abandoned request ran to {generated} tokens"
 
 
 def test_the_test_server_sends_without_nagles_delay(live: Any, http: httpx.Client) -> None:
