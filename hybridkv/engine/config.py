@@ -130,9 +130,9 @@ class EngineConfig:
         device: torch device ('cpu', 'cuda', ...).
         pack_weights: on the CPU, lay the large linear weights out once in oneDNN's blocked
             format (see hybridkv.layers.packed_linear): faster small-batch matmuls (a
-            decode of 8 rows of the small Qwen3-Next 11.1 -> 8.6 ms), a slower load (the
+            decode of 8 rows of the small Qwen3-Next 11.1 -> 8.4 ms), a slower load (the
             checkpoint is read into memory and reordered). None ('auto', the default):
-            packs a bf16 / fp16 model whose weights take at most
+            packs a bf16 model whose weights take at most
             hybridkv.models.loader.AUTO_PACK_MAX_BYTES (512 MiB: the cost stays under a
             second; packed bf16 products are the plain ones' bits) and multiply in the
             model dtype; True always, False never (--no-pack-weights).

@@ -95,15 +95,29 @@ def _packed_product(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def _weight_of(handle: int, out_features: int) -> Tensor:
+    """The packed weight a graph names by ``handle``, checked against the width the graph
+    was compiled for (a mismatch would read or write past the product's rows)."""
+    module = _BY_HANDLE.get(handle)
+    if module is None:
+        raise RuntimeError(f"packed linear {handle} no longer exists (its model was freed)")
+    if module.out_features != out_features:
+        raise RuntimeError(
+            f"packed linear {handle} has {module.out_features} outputs, the graph expects "
+            f"{out_features}: a package built for another model"
+        )
+    return module.packed_weight
+
+
 def _linear_by_handle(x: Tensor, handle: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
-    return _packed_product(x, _BY_HANDLE[int(handle)].packed_weight, bias)
+    return _packed_product(x, _weight_of(int(handle), out_features), bias)
 
 
 def _grouped_by_handle(x: Tensor, ends: Tensor, handles: Tensor, out_features: int) -> Tensor:
     bounds = ends.tolist()
     sizes = [end - start for start, end in zip([0, *bounds[:-1]], bounds, strict=True)]
     parts = [
-        _packed_product(rows, _BY_HANDLE[handle].packed_weight, None)
+        _packed_product(rows, _weight_of(handle, out_features), None)
         for handle, rows, size in zip(handles.tolist(), x.split(sizes), sizes, strict=True)
         if size > 0
     ]
@@ -113,7 +127,7 @@ def _grouped_by_handle(x: Tensor, ends: Tensor, handles: Tensor, out_features: i
 # the ops a graph calls in place of packed modules, by the handles that name their weights.
 # torch.library's low-level form: ~3 us a call less than the custom_op wrapper's (26 against
 # 29 us for 8 rows of 512 x 512; a decode step of the small Qwen3-Next makes ~60 calls)
-_LIBRARY = torch.library.Library("hybridkv", "DEF")
+_LIBRARY = torch.library.Library("hybridkv", "FRAGMENT")
 _LIBRARY.define(
     "packed_linear(Tensor x, Tensor handle, Tensor? bias, SymInt out_features) -> Tensor"
 )
@@ -165,7 +179,14 @@ class PackedLinear(nn.Module):
         """A twin with a handle of its own (a copied handle would name this module's
         weight to the graphs), sharing the packed weight: inference never writes it."""
         twin = type(self)(self.packed_weight.data, copy.deepcopy(self.bias, memo), self.in_features)
+        twin.train(self.training)
         memo[id(self)] = twin
+        return twin
+
+    def __copy__(self) -> PackedLinear:
+        """A shallow copy, with a handle of its own too (see :meth:`__deepcopy__`)."""
+        twin = type(self)(self.packed_weight.data, self.bias, self.in_features)
+        twin.train(self.training)
         return twin
 
     @classmethod

@@ -156,7 +156,7 @@ def _known_experts(experts: nn.Module) -> bool:
         return False
     if experts.packed is not None:
         return all(
-            isinstance(linear, PackedLinear)
+            type(linear) is PackedLinear
             and linear.bias is None
             and linear.packed_weight.dtype == torch.bfloat16
             for pair in experts.packed
@@ -450,11 +450,20 @@ def cache_inputs(model: CausalLM, views: CacheViews, plan: GraphPlan) -> list[Te
 
 
 def _describe_model(model: CausalLM, plan: GraphPlan) -> str:
-    """What the graph bakes in beyond shapes: the config's constants (epsilons, RoPE,
-    scales, switches) and the pieces' classes."""
+    """What the graph bakes in beyond its inputs' shapes: the config's constants
+    (epsilons, RoPE, scales, switches), the pieces' classes, and the shapes of what is no
+    input: packed weights (called by handle, a 0-d input: a package built for other
+    widths would read past their rows) and the experts' gate/up split."""
     parts = [type(model).__name__, repr(plan)]
     for module in model.modules():
-        if isinstance(module, PagedAttention):
+        if isinstance(module, PackedLinear):
+            weight = module.packed_weight
+            bias = module.bias is not None
+            width = f"{module.in_features}x{module.out_features}"
+            parts.append(f"PackedLinear {width} {weight.dtype} bias={bias}")
+        elif isinstance(module, GroupedExperts):
+            parts.append(f"GroupedExperts {module.num_experts} x {module.intermediate}")
+        elif isinstance(module, PagedAttention):
             parts.append(repr(module.cfg) + f" scale={module.scale!r}")
         elif isinstance(module, GatedDeltaNet):
             parts.append(repr(module.cfg))

@@ -350,11 +350,12 @@ AUTO_PACK_MAX_BYTES = 512 << 20
 
 
 def packs_by_default(model: nn.Module, dtype: str, upcasts: bool) -> bool:
-    """Whether ``pack_weights=None`` packs this model: one in bf16 or fp16 that multiplies
+    """Whether ``pack_weights=None`` packs this model: one in bf16 (fp16 has no packing
+    threshold: :data:`~hybridkv.layers.packed_linear.MIN_PACKED_ELEMENTS`) that multiplies
     in its own dtype (packed products are then the plain ones' bits; fp32 ones round
     otherwise than MKL's, and transformers' answers are the fp32 reference) with weights
     of at most :data:`AUTO_PACK_MAX_BYTES`. Its small-batch matmuls gain most: the decode
-    graph's 8-row step of the small Qwen3-Next 11.1 -> 8.6 ms (its experts' one-to-three-row
+    graph's 8-row step of the small Qwen3-Next 11.1 -> 8.4 ms (its experts' one-to-three-row
     products ~1.6x)."""
     if dtype not in ("bfloat16", "float16") or upcasts:
         return False

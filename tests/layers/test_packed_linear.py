@@ -182,11 +182,13 @@ def test_the_ops_by_handle_give_the_modules_products(dtype: torch.dtype) -> None
 
 def test_a_copy_has_a_handle_of_its_own() -> None:
     """A deep copy (a copied model) names its own weight: the graphs of the copy call it,
-    not the original's, and still can once the original is gone."""
+    not the original's, and still can once the original is gone; a shallow copy too, and
+    both keep the module's mode."""
     torch.manual_seed(0)
-    module = packed(nn.Linear(64, 96))
+    module = packed(nn.Linear(64, 96)).eval()
+    assert int(copy.copy(module).handle) != int(module.handle)
     twin = copy.deepcopy(module)
-    assert int(twin.handle) != int(module.handle)
+    assert int(twin.handle) != int(module.handle) and not twin.training
     x = torch.randn(5, 64)
     with torch.inference_mode():
         want = module(x)
@@ -194,3 +196,19 @@ def test_a_copy_has_a_handle_of_its_own() -> None:
         gc.collect()
         assert torch.equal(packed_linear(x, twin.handle, twin.bias, 96), want)
         assert torch.equal(twin(x), want)
+
+
+def test_an_op_naming_a_freed_or_other_weight_says_so() -> None:
+    """A handle whose module is gone, or a width other than the graph was compiled for (a
+    package of another model), is a clear error, never a product past the rows."""
+    module = packed(nn.Linear(64, 96))
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="96 outputs, the graph expects 128"):
+        packed_linear(x, module.handle, None, 128)
+    with pytest.raises(RuntimeError, match="96 outputs"):
+        packed_grouped_linear(x, torch.tensor([3]), module.handle[None], 128)
+    handle = module.handle.clone()
+    del module
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        packed_linear(x, handle, None, 96)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hybrid_checks import assert_close, prompt
 from paged_runner import PagedRunner
-from tiny import hf_greedy, save_checkpoint
+from tiny import hf_greedy, make_hf_model, save_checkpoint
 
 from hybridkv.engine import EngineConfig, LLMEngine
 from hybridkv.engine.runner import ModelRunner
@@ -163,6 +163,29 @@ def test_the_graph_calls_packed_weights_by_handle(
     packed_graph = load_decode_graph(model, runner.views)
     assert packed_graph is not None
     assert_bf16_decodes_agree(runner, graph, packed_graph)
+
+
+def test_packed_models_of_other_widths_get_other_packages(tmp_path: Path) -> None:
+    """A packed weight is no input of the package (a handle is), so its widths must be in
+    the package's key: two packed tiny models whose MLPs differ in width alone (the
+    same inputs otherwise) are described apart, and so are the MoE experts' splits."""
+    if not can_pack(torch.bfloat16):
+        pytest.skip("oneDNN cannot pack bf16 on this CPU (AVX2 alone)")
+    described = []
+    for model_type, width in [
+        ("qwen3_5_text", {"intermediate_size": 96}),
+        ("qwen3_5_text", {"intermediate_size": 128}),
+        ("qwen3_5_moe_text", {"moe_intermediate_size": 32}),
+        ("qwen3_5_moe_text", {"moe_intermediate_size": 48}),
+    ]:
+        hf = make_hf_model(model_type, **width)
+        path = save_checkpoint(hf, tmp_path / f"{model_type}-{sorted(width.values())}")
+        lm = load_model(path, "bfloat16", matmul_dtype="model")
+        assert pack_linears(lm.model, min_elements=0) > 0
+        plan = decode_graph_plan(lm.model, PagedRunner(lm.model, lm.spec).views)
+        assert plan is not None
+        described.append(decode_graph._describe_model(lm.model, plan))
+    assert described[0] != described[1] and described[2] != described[3]
 
 
 def assert_bf16_close(
