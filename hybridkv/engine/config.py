@@ -133,9 +133,10 @@ class EngineConfig:
             decode of 8 rows of the small Qwen3-Next 11.1 -> 8.4 ms), a slower load (the
             checkpoint is read into memory and reordered). None ('auto', the default):
             packs a bf16 model whose weights take at most
-            hybridkv.models.loader.AUTO_PACK_MAX_BYTES (512 MiB: the cost stays under a
-            second; packed bf16 products are the plain ones' bits) and multiply in the
-            model dtype; True always, False never (--no-pack-weights).
+            hybridkv.models.loader.AUTO_PACK_MAX_BYTES (512 MiB: ~1.2 s of packing at
+            Qwen3.5-0.8B's measured rate; packed bf16 products are the plain ones'
+            bits) and multiply in the model dtype; True always, False never
+            (--no-pack-weights).
         cpu_matmul_dtype: what a bf16 / fp16 model's matmuls run in: 'auto' is float32 on
             a CPU that only emulates the model dtype's matmuls (AVX2 alone: no AVX-512,
             AVX-NE-CONVERT or AMX; there bf16 runs several times slower than fp32), the
